@@ -1,0 +1,244 @@
+"""Ragged bf16 grouped GEMM: cake_ops vs torch._grouped_mm vs dense torch.mm, measured in one run.
+
+    python benchmarks/bench_grouped_gemm.py                 # the MoE shapes on a GPU (tiny ones on CPU)
+    python benchmarks/bench_grouped_gemm.py --ops fwd --shapes mixtral_fc1 --json out.json --plot out.png
+
+Prints a table (ms, TFLOP/s, ratios to the peers) and the geometric mean of cake / torch._grouped_mm
+per op, and writes JSON rows (and a PNG plot with --plot). Timing: CUDA events around each call
+after an L2 flush, median of --reps calls after warm-up.
+"""
+import argparse
+import datetime
+import json
+import math
+import statistics
+import time
+
+import warnings
+
+import torch
+
+import cake_ops
+from cake_ops import grouped_gemm as gg
+
+# (E, sum_m, N, K, distribution of rows over groups)
+SHAPES = {
+    "qwen3_30b_fc1": (128, 65536, 1536, 2048, "balanced"),
+    "qwen3_30b_fc2": (128, 65536, 2048, 768, "balanced"),
+    "mixtral_fc1": (8, 16384, 28672, 4096, "balanced"),
+    "mixtral_fc2": (8, 16384, 4096, 14336, "balanced"),
+    "decode_qwen3_fc1_t16": (128, 128, 1536, 2048, "balanced"),
+    "decode_qwen3_fc1_t128": (128, 1024, 1536, 2048, "balanced"),
+}
+for _proj, (_n, _k) in {"gate_up": (4096, 6144), "down": (6144, 2048)}.items():
+    for _m in (112576, 136064):
+        for _dist in ("balanced", "skewed", "one_empty"):
+            SHAPES[f"{_proj}_e4_m{_m}_{_dist}"] = (4, _m, _n, _k, _dist)
+    for _e in (8, 16, 32):
+        SHAPES[f"{_proj}_e{_e}_m131072"] = (_e, 131072, _n, _k, "balanced")
+CPU_SHAPES = {"tiny_e8": (8, 512, 256, 256, "balanced"), "tiny_e4_skewed": (4, 384, 128, 256, "skewed")}
+OPS = ["fwd", "dgrad", "wgrad", "wgrad_f32", "fwdbwd"]
+
+
+def group_sizes(e, sum_m, dist):
+    weights = {"balanced": [1.0] * e, "skewed": [8.0] + [1.0] * (e - 1),
+               "one_empty": [1.0] * (e - 1) + [0.0]}[dist]
+    sizes = [int(sum_m * w / sum(weights)) for w in weights]
+    sizes[0] += sum_m - sum(sizes)
+    return sizes
+
+
+class Timer:
+    def __init__(self, device, reps, warmup):
+        self.device, self.reps, self.warmup = device, reps, warmup
+        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device == "cuda" else None
+
+    def __call__(self, fn, setup=None):
+        for _ in range(self.warmup):
+            if setup:
+                setup()
+            fn()
+        times = []
+        for _ in range(self.reps):
+            if setup:
+                setup()
+            if self.device == "cuda":
+                self.flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def torch_grouped_mm(*args, **kwargs):
+    return torch._grouped_mm(*args, **kwargs)
+
+
+def cases(op, x, w, g, offs, sizes):
+    """{peer: (fn, setup or None)} for one op; every fn computes the same problem."""
+    e, n, k = w.shape
+    w0 = w[0]
+    if op == "fwd":
+        bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
+        out = x.new_empty(x.shape[0], n)
+
+        def loop():
+            for i in range(e):
+                torch.mm(x[bounds[i]:bounds[i + 1]], w[i].t(), out=out[bounds[i]:bounds[i + 1]])
+        return {"cake": (lambda: gg.grouped_gemm_fwd(x, w, offs), None),
+                "torch_gmm": (lambda: torch_grouped_mm(x, w.transpose(-2, -1), offs=offs), None),
+                "dense_mm": (lambda: torch.mm(x, w0.t()), None),
+                "loop_mm": (loop, None)}
+    if op == "dgrad":
+        return {"cake": (lambda: gg.grouped_gemm_dgrad(g, w, offs), None),
+                "torch_gmm": (lambda: torch_grouped_mm(g, w, offs=offs), None),
+                "dense_mm": (lambda: torch.mm(g, w0), None)}
+    if op in ("wgrad", "wgrad_f32"):
+        dt = torch.float32 if op == "wgrad_f32" else torch.bfloat16
+        peers = {"cake": (lambda: gg.grouped_gemm_wgrad(g, x, offs, out_dtype=dt), None),
+                 "dense_mm": (lambda: torch.mm(g.t(), x, out_dtype=dt) if dt != x.dtype else torch.mm(g.t(), x), None)}
+        peers["torch_gmm"] = (lambda: torch_grouped_mm(g.t(), x, offs=offs, out_dtype=dt), None)
+        return peers
+    if op == "fwdbwd":
+        xr, wr, w0r = x.clone().requires_grad_(), w.clone().requires_grad_(), w0.clone().requires_grad_()
+
+        def clear():
+            xr.grad = wr.grad = w0r.grad = None
+        return {"cake": (lambda: gg.cake_grouped_mm(xr, wr, offs).backward(g), clear),
+                "torch_gmm": (lambda: torch_grouped_mm(xr, wr.transpose(-2, -1), offs=offs).backward(g), clear),
+                "dense_mm": (lambda: torch.mm(xr, w0r.t()).backward(g), clear)}
+    raise ValueError(op)
+
+
+def run(args):
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    shapes = SHAPES if device == "cuda" else CPU_SHAPES
+    names = args.shapes.split(",") if args.shapes else list(shapes)
+    ops = args.ops.split(",")
+    timer = Timer(device, args.reps, args.warmup)
+    rows = []
+    for name in names:
+        e, sum_m, n, k, dist = {**SHAPES, **CPU_SHAPES}[name]
+        sizes = group_sizes(e, sum_m, dist)
+        x = torch.randn(sum_m, k, device=device).bfloat16()
+        w = torch.randn(e, n, k, device=device).bfloat16() * 0.05
+        g = torch.randn(sum_m, n, device=device).bfloat16()
+        offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+        flops = 2.0 * sum_m * n * k
+        touched = sum(1 for s in sizes if s > 0)
+        weight_bytes = touched * n * k * 2
+        for op in ops:
+            row = {"shape": name, "op": op, "E": e, "sum_m": sum_m, "N": n, "K": k, "dist": dist}
+            op_flops = flops * (3 if op == "fwdbwd" else 1)
+            for peer, (fn, setup) in cases(op, x, w, g, offs, sizes).items():
+                if peer == "loop_mm" and not args.loop:
+                    continue
+                try:
+                    ms = timer(fn, setup)
+                except (RuntimeError, TypeError) as exc:  # a peer that cannot run this case
+                    row[f"{peer}_error"] = str(exc).split("\n")[0][:120]
+                    continue
+                row[f"{peer}_ms"] = ms
+                row[f"{peer}_tflops"] = op_flops / ms / 1e9
+            if op == "fwd" and "cake_ms" in row:
+                row["cake_weight_tbps"] = weight_bytes / row["cake_ms"] / 1e9
+            for peer in ("torch_gmm", "dense_mm", "loop_mm"):
+                if "cake_ms" in row and f"{peer}_ms" in row:
+                    row[f"cake_vs_{peer}"] = row[f"{peer}_ms"] / row["cake_ms"]
+            rows.append(row)
+            print_row(row)
+    return device, rows
+
+
+def fmt(v, spec):
+    width = int(spec.split(".")[0])
+    return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(width)
+
+
+HEADER = (f"{'shape':34} {'op':9} {'cake ms':>9} {'cake TF/s':>9} {'gmm TF/s':>9} {'x gmm':>7} "
+          f"{'dense TF/s':>10} {'x dense':>7} {'W TB/s':>7}")
+
+
+def print_row(r):
+    print(f"{r['shape']:34} {r['op']:9} {fmt(r.get('cake_ms'), '9.3f')} {fmt(r.get('cake_tflops'), '9.1f')} "
+          f"{fmt(r.get('torch_gmm_tflops'), '9.1f')} {fmt(r.get('cake_vs_torch_gmm'), '7.3f')} "
+          f"{fmt(r.get('dense_mm_tflops'), '10.1f')} {fmt(r.get('cake_vs_dense_mm'), '7.3f')} "
+          f"{fmt(r.get('cake_weight_tbps'), '7.2f')}", flush=True)
+
+
+def geomean(values):
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def summary(rows, ops):
+    out = {}
+    for op in ops:
+        ratios = [r.get("cake_vs_torch_gmm") for r in rows if r["op"] == op]
+        ratios = [v for v in ratios if v]
+        if ratios:
+            out[op] = {"geomean_vs_torch_gmm": geomean(ratios), "min_vs_torch_gmm": min(ratios)}
+            print(f"{op:9} geomean cake / torch._grouped_mm = {out[op]['geomean_vs_torch_gmm']:.3f} "
+                  f"(min {out[op]['min_vs_torch_gmm']:.3f}, {len(ratios)} shapes)")
+    return out
+
+
+def plot(rows, ops, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(ops), 1, figsize=(14, 3.2 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        sel = [r for r in rows if r["op"] == op]
+        names = [r["shape"] for r in sel]
+        for i, (peer, color) in enumerate([("cake", "tab:red"), ("torch_gmm", "tab:blue"), ("dense_mm", "tab:gray")]):
+            ax.bar([j + 0.27 * (i - 1) for j in range(len(sel))], [r.get(f"{peer}_tflops", 0) for r in sel],
+                   width=0.27, color=color, label=peer)
+        ax.set_xticks(range(len(sel)), names, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"grouped GEMM {op}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="", help="comma-separated names (default: all for the device)")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--loop", action="store_true", help="also time a per-expert torch.mm loop (fwd)")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
+    p.add_argument("--json", default="", help="write the rows here")
+    p.add_argument("--plot", default="", help="write a PNG plot here")
+    args = p.parse_args()
+    warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
+    print(HEADER)
+    device, rows = run(args)
+    ops = args.ops.split(",")
+    result = {
+        "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
+                 "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                 "torch": torch.__version__, "cuda": torch.version.cuda, "cake_ops": cake_ops.build_info(),
+                 "reps": args.reps},
+        "summary": summary(rows, ops),
+        "rows": rows,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(rows, ops, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+// The host-side contract between the grouped GEMM op wrappers and the kernel configurations.
+// No CUTLASS here: only the .cu files of one configuration include CUTLASS.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace cake {
+
+// One grouped GEMM over bf16 operands, in the op's terms (w is [E, N, K]):
+//   fwd:   a = x [sum_m, K],        b = w [E, N, K],   out = y [sum_m, N]
+//   dgrad: a = grad_out [sum_m, N], b = w [E, N, K],   out = dx [sum_m, K]
+//   wgrad: a = grad_out [sum_m, N], b = x [sum_m, K],  out = dw [E, N, K]
+struct GroupedGemmParams {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* out = nullptr;
+  const int32_t* offs = nullptr;  // device; E ends, or E + 1 bounds with a leading zero
+  bool indptr = false;
+  int64_t num_groups = 0;
+  int64_t sum_m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  void* workspace = nullptr;  // device, grouped_gemm_workspace_bytes(num_groups) bytes
+  int64_t workspace_bytes = 0;
+  int device = 0;
+  int sm_count = 0;
+};
+
+namespace sm90 {
+// One function per kernel configuration, each in its own .cu file.
+void grouped_gemm_fwd_bf16(const GroupedGemmParams& p, cudaStream_t stream);
+void grouped_gemm_dgrad_bf16(const GroupedGemmParams& p, cudaStream_t stream);
+void grouped_gemm_wgrad_bf16(const GroupedGemmParams& p, cudaStream_t stream);
+void grouped_gemm_wgrad_f32(const GroupedGemmParams& p, cudaStream_t stream);
+}  // namespace sm90
+
+}  // namespace cake

@@ -1,0 +1,246 @@
+// Hopper (sm_90a) ragged grouped GEMM: a CUTLASS ptr-array grouped kernel (warp-specialized
+// wgmma + TMA, persistent group tile scheduler) fed by a small device prologue that reads the
+// group offsets and writes each group's problem shape, pointers and strides. The host never
+// reads the offsets, so a launch needs no synchronisation and can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include "cuda/grouped_gemm/grouped_gemm_launch.h"
+#include "grouped_gemm_checks.h"
+
+namespace cake::sm90 {
+
+using namespace cute;
+
+enum class Kind { kFwd, kDgrad, kWgrad };
+
+// The GEMM each kind runs per group g (rows [s, t) of the packed operands, expert e), in
+// CUTLASS terms D (M x N) = A (M x K) * B (K x N):
+//   fwd:   M = t-s, N = N, K = K;  A = x[s:t] (row-major),  B = w[e]^T (K-major), D = y[s:t]
+//   dgrad: M = t-s, N = K, K = N;  A = g[s:t] (row-major),  B = w[e] (N-major, read in place)
+//   wgrad: M = N, N = K, K = t-s;  A = g[s:t]^T (M-major),  B = x[s:t] (N-major), D = dw[e]
+template <Kind kKind, class ElementOut_, class TileShape_, class ClusterShape_>
+struct GroupedGemmConfig {
+  static constexpr Kind kind = kKind;
+  using ElementIn = cutlass::bfloat16_t;
+  using ElementOut = ElementOut_;
+  using ElementAccumulator = float;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using LayoutA = std::conditional_t<kKind == Kind::kWgrad, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  using LayoutB = std::conditional_t<kKind == Kind::kFwd, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignIn = 128 / cutlass::sizeof_bits<ElementIn>::value;
+  static constexpr int kAlignOut = 128 / cutlass::sizeof_bits<ElementOut>::value;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
+      void, LayoutD*, kAlignOut,  // no source C: D = A * B
+      ElementOut, LayoutD*, kAlignOut, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator, void,
+                                                   ElementAccumulator>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
+      ElementIn, LayoutB*, kAlignIn, ElementAccumulator, TileShape_, ClusterShape_,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using GroupShape = typename ProblemShape::UnderlyingProblemShape;
+};
+
+// The per-group argument arrays the prologue writes, carved out of the caller's workspace.
+template <class Config>
+struct GroupArrays {
+  typename Config::GroupShape* shapes;
+  const typename Config::ElementIn** ptr_a;
+  const typename Config::ElementIn** ptr_b;
+  typename Config::ElementOut** ptr_d;
+  typename Config::StrideA* stride_a;
+  typename Config::StrideB* stride_b;
+  typename Config::StrideD* stride_d;
+};
+
+template <Kind kKind>
+constexpr const char* kBadOffsetsMessage =
+    kKind == Kind::kFwd     ? "cake::grouped_gemm_fwd: offs must be non-decreasing group ends within [0, sum_m] (m_indptr: leading 0)"
+    : kKind == Kind::kDgrad ? "cake::grouped_gemm_dgrad: offs must be non-decreasing group ends within [0, sum_m] (m_indptr: leading 0)"
+                            : "cake::grouped_gemm_wgrad: offs must be non-decreasing group ends within [0, sum_m] (m_indptr: leading 0)";
+
+constexpr int kPrologueThreads = 256;
+constexpr int kZeroBlocksPerGroup = 16;
+
+// 16-byte zero stores over [begin, end) bytes of `base` (16-byte aligned, sizes multiples of 16).
+__device__ inline void zero_bytes(char* base, int64_t begin, int64_t end, int64_t first_thread,
+                                  int64_t num_threads) {
+  for (int64_t i = begin + 16 * first_thread; i < end; i += 16 * num_threads) {
+    *reinterpret_cast<uint4*>(base + i) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// grid (kZeroBlocksPerGroup, max(E, 1)): block (0, e) thread 0 writes group e's arguments; all
+// blocks zero what no group writes (fwd/dgrad: rows past the last end; wgrad: dw of empty groups).
+template <class Config>
+__global__ void __launch_bounds__(kPrologueThreads)
+    prepare_groups_kernel(GroupedGemmParams p, GroupArrays<Config> arr) {
+  constexpr Kind kKind = Config::kind;
+  using ElementIn = typename Config::ElementIn;
+  using ElementOut = typename Config::ElementOut;
+  const int64_t e = blockIdx.y;
+  const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
+  const int64_t start = (e == 0 || e >= p.num_groups) ? 0 : ends[e - 1];
+  const int64_t end = e < p.num_groups ? ends[e] : 0;
+  const int64_t rows = end - start;
+
+  if (e < p.num_groups && blockIdx.x == 0 && threadIdx.x == 0) {
+    if (rows < 0 || end > p.sum_m || start < 0 || (p.indptr && e == 0 && p.offs[0] != 0)) {
+      __assert_fail(kBadOffsetsMessage<kKind>, __FILE__, __LINE__, __func__);
+    }
+    auto a = static_cast<const ElementIn*>(p.a);
+    auto b = static_cast<const ElementIn*>(p.b);
+    auto d = static_cast<ElementOut*>(p.out);
+    const int m = static_cast<int>(rows);
+    const int n = static_cast<int>(p.n);
+    const int k = static_cast<int>(p.k);
+    if constexpr (kKind == Kind::kFwd) {
+      arr.shapes[e] = {m, n, k};
+      arr.ptr_a[e] = a + start * p.k;
+      arr.ptr_b[e] = b + e * p.n * p.k;
+      arr.ptr_d[e] = d + start * p.n;
+      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {m, k, 1});
+      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
+      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {m, n, 1});
+    } else if constexpr (kKind == Kind::kDgrad) {
+      arr.shapes[e] = {m, k, n};
+      arr.ptr_a[e] = a + start * p.n;
+      arr.ptr_b[e] = b + e * p.n * p.k;
+      arr.ptr_d[e] = d + start * p.k;
+      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {m, n, 1});
+      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, n, 1});
+      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {m, k, 1});
+    } else {
+      // An empty group reduces over nothing: it gets no tiles (M = 0) and is zeroed below.
+      arr.shapes[e] = {m > 0 ? n : 0, k, m};
+      arr.ptr_a[e] = a + start * p.n;
+      arr.ptr_b[e] = b + start * p.k;
+      arr.ptr_d[e] = d + e * p.n * p.k;
+      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {n, m, 1});
+      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, m, 1});
+      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, k, 1});
+    }
+  }
+
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  if constexpr (kKind == Kind::kWgrad) {
+    if (e < p.num_groups && rows == 0) {
+      const int64_t bytes = p.n * p.k * int64_t(sizeof(ElementOut));
+      zero_bytes(static_cast<char*>(p.out) + e * bytes, 0, bytes, thread, threads);
+    }
+  } else if (e == 0) {
+    const int64_t last_end = p.num_groups > 0 ? ends[p.num_groups - 1] : 0;
+    const int64_t row_bytes = (kKind == Kind::kFwd ? p.n : p.k) * int64_t(sizeof(ElementOut));
+    if (last_end >= 0 && last_end < p.sum_m) {
+      zero_bytes(static_cast<char*>(p.out), last_end * row_bytes, p.sum_m * row_bytes, thread,
+                 threads);
+    }
+  }
+}
+
+// Hands out aligned slices of the caller's workspace.
+struct WorkspaceCarver {
+  char* next;
+  char* end;
+  template <class T>
+  T* take(int64_t count) {
+    auto aligned = reinterpret_cast<char*>(
+        (reinterpret_cast<uintptr_t>(next) + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign);
+    next = aligned + count * int64_t(sizeof(T));
+    TORCH_CHECK(next <= end, "cake grouped GEMM: workspace too small (internal error)");
+    return reinterpret_cast<T*>(aligned);
+  }
+};
+
+template <class Config>
+void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
+  using Gemm = typename Config::Gemm;
+  static_assert(sizeof(typename Config::GroupShape) + 3 * sizeof(void*) +
+                        sizeof(typename Config::StrideA) + sizeof(typename Config::StrideB) +
+                        sizeof(typename Config::StrideD) <=
+                    kPerGroupBytes,
+                "per-group arguments outgrew kPerGroupBytes");
+  const int64_t E = p.num_groups;
+  WorkspaceCarver ws{static_cast<char*>(p.workspace),
+                     static_cast<char*>(p.workspace) + p.workspace_bytes};
+  GroupArrays<Config> arr{ws.take<typename Config::GroupShape>(E),
+                          ws.take<const typename Config::ElementIn*>(E),
+                          ws.take<const typename Config::ElementIn*>(E),
+                          ws.take<typename Config::ElementOut*>(E),
+                          ws.take<typename Config::StrideA>(E),
+                          ws.take<typename Config::StrideB>(E),
+                          ws.take<typename Config::StrideD>(E)};
+
+  dim3 grid(kZeroBlocksPerGroup, static_cast<unsigned>(std::max<int64_t>(E, 1)));
+  prepare_groups_kernel<Config><<<grid, kPrologueThreads, 0, stream>>>(p, arr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (E == 0) return;
+
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = p.device;
+  hw_info.sm_count = static_cast<int>(std::min<int64_t>(p.sm_count, kMaxPersistentCtas));
+
+  typename Gemm::Arguments args;
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(E), arr.shapes, nullptr};
+  args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  args.epilogue.dC = nullptr;
+  args.epilogue.ptr_D = arr.ptr_d;
+  args.epilogue.dD = arr.stride_d;
+  args.hw_info = hw_info;
+
+  char* cutlass_workspace = ws.take<char>(0);
+  const size_t need = Gemm::get_workspace_size(args);
+  TORCH_CHECK(cutlass_workspace + need <= ws.end,
+              "cake grouped GEMM: CUTLASS workspace of ", need, " bytes exceeds the reserve (internal error)");
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  TORCH_CHECK(status == cutlass::Status::kSuccess, "cake grouped GEMM: CUTLASS cannot run this problem: ",
+              cutlassGetStatusString(status));
+  status = gemm.initialize(args, cutlass_workspace, stream);
+  TORCH_CHECK(status == cutlass::Status::kSuccess, "cake grouped GEMM: CUTLASS initialize failed: ",
+              cutlassGetStatusString(status));
+  status = gemm.run(stream);
+  TORCH_CHECK(status == cutlass::Status::kSuccess, "cake grouped GEMM: CUTLASS launch failed: ",
+              cutlassGetStatusString(status));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace cake::sm90

@@ -1,0 +1,61 @@
+// Every cake:: schema lives here. Backends register their kernels in their own files with
+// TORCH_LIBRARY_IMPL(cake, CPU|CUDA, m); fakes and autograd live in python/cake_ops.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "grouped_gemm_checks.h"
+
+TORCH_LIBRARY(cake, m) {
+  // Ragged grouped GEMM. Groups are consecutive row ranges of the packed activations, given by
+  // an int32 tensor on the operands' device: offs [E] (cumulative group ends) or m_indptr [E+1]
+  // (leading zero). Rows past the last group end get zeros.
+  //   fwd:   x [sum_m, K], w [E, N, K]        -> y [sum_m, N],  y[g] = x[g] @ w[e].T
+  //   dgrad: grad_out [sum_m, N], w [E, N, K] -> dx [sum_m, K], dx[g] = grad_out[g] @ w[e]
+  //   wgrad: grad_out [sum_m, N], x [sum_m, K] -> dw [E, N, K], dw[e] = grad_out[g].T @ x[g]
+  m.def("grouped_gemm_fwd(Tensor x, Tensor w, Tensor offs) -> Tensor");
+  m.def("grouped_gemm_dgrad(Tensor grad_out, Tensor w, Tensor offs) -> Tensor");
+  m.def(
+      "grouped_gemm_wgrad(Tensor grad_out, Tensor x, Tensor offs, int num_groups, "
+      "ScalarType out_dtype) -> Tensor");
+  // The same computations into caller-owned outputs, with a caller-owned workspace of
+  // grouped_gemm_workspace_size(E) bytes: these allocate nothing (prepared launches).
+  m.def(
+      "grouped_gemm_fwd_out(Tensor x, Tensor w, Tensor offs, Tensor(a!) out, "
+      "Tensor(b!) workspace) -> ()");
+  m.def(
+      "grouped_gemm_dgrad_out(Tensor grad_out, Tensor w, Tensor offs, Tensor(a!) out, "
+      "Tensor(b!) workspace) -> ()");
+  m.def(
+      "grouped_gemm_wgrad_out(Tensor grad_out, Tensor x, Tensor offs, Tensor(a!) out, "
+      "Tensor(b!) workspace) -> ()");
+}
+
+namespace {
+
+PyObject* workspace_size(PyObject*, PyObject* arg) {
+  long long num_groups = PyLong_AsLongLong(arg);
+  if (num_groups == -1 && PyErr_Occurred()) return nullptr;
+  if (num_groups < 0) {
+    PyErr_SetString(PyExc_ValueError, "grouped_gemm_workspace_size: num_groups must be >= 0");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(cake::grouped_gemm_workspace_bytes(num_groups));
+}
+
+PyMethodDef methods[] = {
+    {"grouped_gemm_workspace_size", workspace_size, METH_O,
+     "Bytes of device workspace a grouped GEMM over num_groups groups needs."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "cake_ops native ops", -1, methods};
+
+}  // namespace
+
+// Importing cake_ops._C runs the registrations above.
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  // Comma-separated SM targets with kernels in this build ("" for a CPU-only build).
+  if (PyModule_AddStringConstant(module, "CUDA_ARCHS", CAKE_CUDA_ARCHS_STR) < 0) return nullptr;
+  return module;
+}

@@ -1,0 +1,120 @@
+"""Fake (meta) implementations of every torch.ops.cake op, mirroring csrc/torch_bindings.cpp.
+
+Output shapes depend only on argument shapes, so these are exact. The checks here are the
+type and shape checks of csrc/grouped_gemm_checks.cpp, with the same messages, so that bad
+inputs fail the same way under torch.compile as in eager mode.
+"""
+import torch
+from torch.library import register_fake
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _check(cond, msg):
+    torch._check(cond, lambda: msg)
+
+
+def _check_dims(t, dim, name, layout, op):
+    _check(t.dim() == dim, f"{op}: {name} must be a {dim}-D {layout} tensor, got shape {list(t.shape)}")
+
+
+def _check_pair(a, a_name, b, b_name, op):
+    _check(a.dtype in _FLOAT_DTYPES,
+           f"{op}: {a_name} must be bfloat16, float16, float32 or float64, got {a.dtype}")
+    _check(a.dtype == b.dtype,
+           f"{op}: {a_name} and {b_name} must have the same dtype, got {a.dtype} and {b.dtype}")
+    _check(a.device == b.device,
+           f"{op}: {a_name} and {b_name} must be on the same device, got {a.device} and {b.device}")
+
+
+def _check_contiguous(t, name, layout, op):
+    _check(t.is_contiguous(), f"{op}: {name} must be contiguous (row-major {layout}); call .contiguous() first")
+
+
+def check_offs(offs, num_groups, like, op):
+    _check(offs.dtype == torch.int32, f"{op}: offs must be int32, got {offs.dtype}")
+    _check(offs.device == like.device, f"{op}: offs must be on the operands' device {like.device}, got {offs.device}")
+    _check(offs.dim() == 1 and (offs.shape[0] == num_groups or offs.shape[0] == num_groups + 1),
+           f"{op}: offs must be 1-D with E={num_groups} entries (cumulative group ends) or "
+           f"E+1={num_groups + 1} (m_indptr with a leading zero), got shape {list(offs.shape)}")
+
+
+def check_fwd(x, w, offs, op="cake::grouped_gemm_fwd"):
+    _check_dims(x, 2, "x", "[sum_m, K]", op)
+    _check_dims(w, 3, "w", "[E, N, K]", op)
+    _check_pair(x, "x", w, "w", op)
+    _check(x.shape[1] == w.shape[2],
+           f"{op}: K mismatch: x is [sum_m, K] with K={x.shape[1]} but w is [E, N, K] with K={w.shape[2]}")
+    _check_contiguous(x, "x", "[sum_m, K]", op)
+    _check_contiguous(w, "w", "[E, N, K]", op)
+    check_offs(offs, w.shape[0], x, op)
+    return (x.shape[0], w.shape[1])
+
+
+def check_dgrad(grad_out, w, offs, op="cake::grouped_gemm_dgrad"):
+    _check_dims(grad_out, 2, "grad_out", "[sum_m, N]", op)
+    _check_dims(w, 3, "w", "[E, N, K]", op)
+    _check_pair(grad_out, "grad_out", w, "w", op)
+    _check(grad_out.shape[1] == w.shape[1],
+           f"{op}: N mismatch: grad_out is [sum_m, N] with N={grad_out.shape[1]} but w is [E, N, K] with N={w.shape[1]}")
+    _check_contiguous(grad_out, "grad_out", "[sum_m, N]", op)
+    _check_contiguous(w, "w", "[E, N, K]", op)
+    check_offs(offs, w.shape[0], grad_out, op)
+    return (grad_out.shape[0], w.shape[2])
+
+
+def check_wgrad(grad_out, x, offs, num_groups, out_dtype, op="cake::grouped_gemm_wgrad"):
+    _check_dims(grad_out, 2, "grad_out", "[sum_m, N]", op)
+    _check_dims(x, 2, "x", "[sum_m, K]", op)
+    _check_pair(grad_out, "grad_out", x, "x", op)
+    _check(grad_out.shape[0] == x.shape[0],
+           f"{op}: sum_m mismatch: grad_out has {grad_out.shape[0]} rows but x has {x.shape[0]}")
+    _check(num_groups >= 0, f"{op}: num_groups must be >= 0, got {num_groups}")
+    _check_contiguous(grad_out, "grad_out", "[sum_m, N]", op)
+    _check_contiguous(x, "x", "[sum_m, K]", op)
+    _check(out_dtype == x.dtype or out_dtype == torch.float32,
+           f"{op}: out_dtype must be the input dtype ({x.dtype}) or float32, got {out_dtype}")
+    check_offs(offs, num_groups, x, op)
+    return (num_groups, grad_out.shape[1], x.shape[1])
+
+
+def check_out(out, shape, dtype, like, op):
+    _check(tuple(out.shape) == tuple(shape), f"{op}: out must have shape {list(shape)}, got {list(out.shape)}")
+    _check(out.dtype == dtype, f"{op}: out must be {dtype}, got {out.dtype}")
+    _check(out.device == like.device, f"{op}: out must be on {like.device}, got {out.device}")
+    _check(out.is_contiguous(), f"{op}: out must be contiguous")
+
+
+@register_fake("cake::grouped_gemm_fwd")
+def _grouped_gemm_fwd_fake(x, w, offs):
+    return x.new_empty(check_fwd(x, w, offs))
+
+
+@register_fake("cake::grouped_gemm_dgrad")
+def _grouped_gemm_dgrad_fake(grad_out, w, offs):
+    return grad_out.new_empty(check_dgrad(grad_out, w, offs))
+
+
+@register_fake("cake::grouped_gemm_wgrad")
+def _grouped_gemm_wgrad_fake(grad_out, x, offs, num_groups, out_dtype):
+    return x.new_empty(check_wgrad(grad_out, x, offs, num_groups, out_dtype), dtype=out_dtype)
+
+
+@register_fake("cake::grouped_gemm_fwd_out")
+def _grouped_gemm_fwd_out_fake(x, w, offs, out, workspace):
+    op = "cake::grouped_gemm_fwd_out"
+    check_out(out, check_fwd(x, w, offs, op), x.dtype, x, op)
+
+
+@register_fake("cake::grouped_gemm_dgrad_out")
+def _grouped_gemm_dgrad_out_fake(grad_out, w, offs, out, workspace):
+    op = "cake::grouped_gemm_dgrad_out"
+    check_out(out, check_dgrad(grad_out, w, offs, op), grad_out.dtype, grad_out, op)
+
+
+@register_fake("cake::grouped_gemm_wgrad_out")
+def _grouped_gemm_wgrad_out_fake(grad_out, x, offs, out, workspace):
+    op = "cake::grouped_gemm_wgrad_out"
+    _check_dims(out, 3, "out", "[E, N, K]", op)
+    shape = check_wgrad(grad_out, x, offs, out.shape[0], out.dtype, op)
+    check_out(out, shape, out.dtype, x, op)

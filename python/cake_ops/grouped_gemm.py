@@ -1,0 +1,281 @@
+"""Ragged grouped GEMM for the expert projections of Mixture-of-Experts layers.
+
+Groups are consecutive row ranges of the packed activations, described by an int32 tensor on
+the operands' device: ``offs [E]`` of cumulative group ends, or ``m_indptr [E + 1]`` with a
+leading zero (the ``torch._grouped_mm`` and ``grouped_mm_bf16`` conventions). The GPU kernels
+read the offsets on the device: the host never synchronises on them, no padding is needed and
+groups may be empty, one row or any size. Output rows past the last group end are zeros.
+
+Layouts (all row-major, contiguous), with ``w`` of shape ``[E, N, K]``:
+
+========== ====================================== ======================================
+op         computation for group e (rows g)       output
+========== ====================================== ======================================
+fwd        ``y[g] = x[g] @ w[e].T``               ``[sum_m, N]``, dtype of x
+dgrad      ``dx[g] = grad_out[g] @ w[e]``         ``[sum_m, K]``, dtype of grad_out
+wgrad      ``dw[e] = grad_out[g].T @ x[g]``       ``[E, N, K]``, bfloat16 or float32
+========== ====================================== ======================================
+
+On CUDA (Hopper, sm_90a) operands are bfloat16 with N and K multiples of 8; accumulation is
+fp32 and every reduction runs in a fixed order (no atomics, no split-K), so results are bitwise
+reproducible and empty groups give exactly zero weight gradients. On the CPU the same ops take
+bfloat16, float16, float32 and float64. The API is experimental: the first call emits an
+``ExperimentalWarning`` once.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C, _fake
+from ._experimental import warn_experimental
+
+__all__ = [
+    "CakeGroupedMm",
+    "GroupedGemmLaunch",
+    "cake_grouped_mm",
+    "grouped_gemm_dgrad",
+    "grouped_gemm_fwd",
+    "grouped_gemm_wgrad",
+    "grouped_mm_bf16",
+    "prepare_grouped_gemm_dgrad",
+    "prepare_grouped_gemm_fwd",
+    "prepare_grouped_gemm_wgrad",
+]
+
+_FEATURE = "cake_ops.grouped_gemm"
+
+
+def _bounds(fn: str, offs, m_indptr, num_groups: Optional[int]):
+    """The boundary tensor to pass to the op: offs [E] or m_indptr [E + 1], exactly one."""
+    if (offs is None) == (m_indptr is None):
+        raise TypeError(f"{fn}: pass exactly one of offs [E] (group ends) or m_indptr [E+1]")
+    if m_indptr is not None and num_groups is not None and m_indptr.dim() == 1:
+        if m_indptr.shape[0] != num_groups + 1:
+            raise ValueError(
+                f"{fn}: m_indptr must have E+1={num_groups + 1} entries, got {m_indptr.shape[0]}")
+    return offs if offs is not None else m_indptr
+
+
+def _num_groups(fn: str, offs, m_indptr) -> int:
+    if offs is not None and m_indptr is None:
+        return offs.shape[0]
+    if m_indptr is not None and offs is None:
+        return m_indptr.shape[0] - 1
+    raise TypeError(f"{fn}: pass exactly one of offs [E] (group ends) or m_indptr [E+1]")
+
+
+def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tensor] = None, *,
+                     m_indptr: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y[g] = x[g] @ w[e].T`` for each group: x ``[sum_m, K]``, w ``[E, N, K]`` -> ``[sum_m, N]``.
+
+    ``offs`` int32 ``[E]`` (group ends; ``[E + 1]`` is read as m_indptr) or ``m_indptr`` int32
+    ``[E + 1]``, on x's device. Output in x's dtype; rows past the last group end are zero.
+    """
+    warn_experimental(_FEATURE)
+    return torch.ops.cake.grouped_gemm_fwd(x, w, _bounds("grouped_gemm_fwd", offs, m_indptr, w.shape[0]))
+
+
+def grouped_gemm_dgrad(grad_out: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tensor] = None, *,
+                       m_indptr: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dx[g] = grad_out[g] @ w[e]``: grad_out ``[sum_m, N]``, w ``[E, N, K]`` -> ``[sum_m, K]``.
+
+    w is read in place (no transposed copy). Boundaries as in :func:`grouped_gemm_fwd`.
+    """
+    warn_experimental(_FEATURE)
+    return torch.ops.cake.grouped_gemm_dgrad(
+        grad_out, w, _bounds("grouped_gemm_dgrad", offs, m_indptr, w.shape[0]))
+
+
+def grouped_gemm_wgrad(grad_out: torch.Tensor, x: torch.Tensor, offs: Optional[torch.Tensor] = None, *,
+                       m_indptr: Optional[torch.Tensor] = None,
+                       out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``dw[e] = grad_out[g].T @ x[g]``: grad_out ``[sum_m, N]``, x ``[sum_m, K]`` -> ``[E, N, K]``.
+
+    E is ``len(offs)`` or ``len(m_indptr) - 1``. ``out_dtype`` is x's dtype (default) or
+    ``torch.float32``. Bitwise deterministic; empty groups give exact zeros.
+    """
+    warn_experimental(_FEATURE)
+    num_groups = _num_groups("grouped_gemm_wgrad", offs, m_indptr)
+    return torch.ops.cake.grouped_gemm_wgrad(
+        grad_out, x, _bounds("grouped_gemm_wgrad", offs, m_indptr, None), num_groups,
+        out_dtype if out_dtype is not None else x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: the op cake::grouped_gemm_fwd differentiates through dgrad and wgrad, and those two
+# through the other ops of the family, so double backward works too.
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    x, w, offs = inputs[:3]
+    ctx.save_for_backward(x, w, offs)
+
+
+def _fwd_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    dx = torch.ops.cake.grouped_gemm_dgrad(grad, w, offs) if ctx.needs_input_grad[0] else None
+    dw = (torch.ops.cake.grouped_gemm_wgrad(grad, x, offs, w.shape[0], w.dtype)
+          if ctx.needs_input_grad[1] else None)
+    return dx, dw, None
+
+
+def _dgrad_backward(ctx, grad):
+    grad_out, w, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    d_grad_out = torch.ops.cake.grouped_gemm_fwd(grad, w, offs) if ctx.needs_input_grad[0] else None
+    dw = (torch.ops.cake.grouped_gemm_wgrad(grad_out, grad, offs, w.shape[0], w.dtype)
+          if ctx.needs_input_grad[1] else None)
+    return d_grad_out, dw, None
+
+
+def _wgrad_setup_context(ctx, inputs, output):
+    grad_out, x, offs = inputs[:3]
+    ctx.save_for_backward(grad_out, x, offs)
+
+
+def _wgrad_backward(ctx, grad):
+    grad_out, x, offs = ctx.saved_tensors
+    grad = grad.to(x.dtype).contiguous()
+    d_grad_out = torch.ops.cake.grouped_gemm_fwd(x, grad, offs) if ctx.needs_input_grad[0] else None
+    dx = torch.ops.cake.grouped_gemm_dgrad(grad_out, grad, offs) if ctx.needs_input_grad[1] else None
+    return d_grad_out, dx, None, None, None
+
+
+torch.library.register_autograd("cake::grouped_gemm_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+torch.library.register_autograd("cake::grouped_gemm_dgrad", _dgrad_backward, setup_context=_fwd_setup_context)
+torch.library.register_autograd("cake::grouped_gemm_wgrad", _wgrad_backward,
+                                setup_context=_wgrad_setup_context)
+
+
+class CakeGroupedMm(torch.autograd.Function):
+    """``y = x @ w[e].T`` per group, with backward through the dgrad and wgrad ops.
+
+    ``CakeGroupedMm.apply(x, w, offs, deterministic)``: x.grad comes from the dgrad op and w.grad
+    from the wgrad op in w's dtype. The kernels always reduce in a fixed order, so
+    ``deterministic=False`` runs the same (deterministic) kernels.
+    """
+
+    @staticmethod
+    def forward(x, w, offs, deterministic=True):
+        return torch.ops.cake.grouped_gemm_fwd(x, w, offs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _fwd_setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*_fwd_backward(ctx, grad), None)
+
+
+def cake_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                    deterministic: bool = True) -> torch.Tensor:
+    """Differentiable grouped GEMM ``y[g] = x[g] @ w[e].T`` (see :class:`CakeGroupedMm`).
+
+    x ``[sum_m, K]``, w ``[E, N, K]``, offs int32 ``[E]`` or m_indptr ``[E + 1]`` -> ``[sum_m, N]``.
+    Traces under ``torch.compile(fullgraph=True)``. For an fp32 weight gradient call
+    :func:`grouped_gemm_wgrad` with ``out_dtype=torch.float32``.
+    """
+    warn_experimental(_FEATURE)
+    return CakeGroupedMm.apply(x, w, offs, deterministic)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared launches
+
+
+class GroupedGemmLaunch:
+    """One validated grouped GEMM bound to its tensors, its output and its workspace.
+
+    ``launch()`` runs it on the current stream: it allocates nothing and never synchronises,
+    so it can be captured in a CUDA graph. Offsets and values are read at launch, so the launch
+    stays valid when new offsets or data are written into the bound tensors in place.
+    """
+
+    __slots__ = ("_op", "_args", "out", "workspace")
+
+    def __init__(self, op, args, out: torch.Tensor, workspace: torch.Tensor):
+        self._op = op
+        self._args = args
+        self.out = out
+        self.workspace = workspace
+
+    def launch(self) -> torch.Tensor:
+        self._op(*self._args, self.out, self.workspace)
+        return self.out
+
+    def __call__(self) -> torch.Tensor:
+        return self.launch()
+
+
+def _workspace(num_groups: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(_C.grouped_gemm_workspace_size(num_groups), dtype=torch.uint8, device=device)
+
+
+def prepare_grouped_gemm_fwd(x, w, offs=None, *, m_indptr=None, out=None) -> GroupedGemmLaunch:
+    """Validate and bind a :func:`grouped_gemm_fwd`; ``out`` ``[sum_m, N]`` is made if not given."""
+    warn_experimental(_FEATURE)
+    op = "prepare_grouped_gemm_fwd"
+    bounds = _bounds(op, offs, m_indptr, w.shape[0])
+    shape = _fake.check_fwd(x, w, bounds, op)
+    out = x.new_empty(shape) if out is None else out
+    _fake.check_out(out, shape, x.dtype, x, op)
+    return GroupedGemmLaunch(torch.ops.cake.grouped_gemm_fwd_out.default, (x, w, bounds), out,
+                             _workspace(w.shape[0], x.device))
+
+
+def prepare_grouped_gemm_dgrad(grad_out, w, offs=None, *, m_indptr=None, out=None) -> GroupedGemmLaunch:
+    """Validate and bind a :func:`grouped_gemm_dgrad`; ``out`` ``[sum_m, K]`` is made if not given."""
+    warn_experimental(_FEATURE)
+    op = "prepare_grouped_gemm_dgrad"
+    bounds = _bounds(op, offs, m_indptr, w.shape[0])
+    shape = _fake.check_dgrad(grad_out, w, bounds, op)
+    out = grad_out.new_empty(shape) if out is None else out
+    _fake.check_out(out, shape, grad_out.dtype, grad_out, op)
+    return GroupedGemmLaunch(torch.ops.cake.grouped_gemm_dgrad_out.default, (grad_out, w, bounds), out,
+                             _workspace(w.shape[0], grad_out.device))
+
+
+def prepare_grouped_gemm_wgrad(grad_out, x, offs=None, *, m_indptr=None, out=None,
+                               out_dtype: Optional[torch.dtype] = None) -> GroupedGemmLaunch:
+    """Validate and bind a :func:`grouped_gemm_wgrad`; ``out`` ``[E, N, K]`` is made if not given."""
+    warn_experimental(_FEATURE)
+    op = "prepare_grouped_gemm_wgrad"
+    num_groups = _num_groups(op, offs, m_indptr)
+    bounds = _bounds(op, offs, m_indptr, None)
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else x.dtype
+    shape = _fake.check_wgrad(grad_out, x, bounds, num_groups, out_dtype, op)
+    out = x.new_empty(shape, dtype=out_dtype) if out is None else out
+    _fake.check_out(out, shape, out_dtype, x, op)
+    return GroupedGemmLaunch(torch.ops.cake.grouped_gemm_wgrad_out.default, (grad_out, x, bounds), out,
+                             _workspace(num_groups, x.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stable entry point
+
+
+def grouped_mm_bf16(a: torch.Tensor, b: torch.Tensor, m_indptr: torch.Tensor, *,
+                    backend: str = "cake") -> torch.Tensor:
+    """Ragged bf16 grouped GEMM ``out[g] = a[g] @ b[e].T``: a ``[cum_m, K]``, b ``[E, N, K]``,
+    m_indptr int32 ``[E + 1]`` with a leading zero -> bfloat16 ``[cum_m, N]``.
+
+    ``backend="cake"`` (experimental, warns once) runs cake_ops' kernels; ``backend="torch"``
+    runs ``torch._grouped_mm`` for comparison.
+    """
+    fn = "grouped_mm_bf16"
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise TypeError(f"{fn}: a and b must be bfloat16, got {a.dtype} and {b.dtype}")
+    if b.dim() != 3 or m_indptr.dim() != 1 or m_indptr.shape[0] != b.shape[0] + 1:
+        raise ValueError(f"{fn}: expected b [E, N, K] and m_indptr [E+1], got b {list(b.shape)} "
+                         f"and m_indptr {list(m_indptr.shape)}")
+    if backend == "cake":
+        warn_experimental(_FEATURE)
+        return torch.ops.cake.grouped_gemm_fwd(a, b, m_indptr)
+    if backend == "torch":
+        return torch._grouped_mm(a, b.transpose(-2, -1), offs=m_indptr[1:])
+    raise ValueError(f"{fn}: backend must be 'cake' or 'torch', got {backend!r}")

@@ -1,0 +1,507 @@
+"""cake::grouped_gemm_{fwd,dgrad,wgrad}: numerics against float64, autograd, opcheck, compile,
+prepared launches and errors. CUDA variants run when a GPU is present."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import expecttest
+import pytest
+import torch
+
+import cake_ops
+from cake_ops import grouped_gemm as gg
+from cake_ops import reference as ref
+
+HAS_CUDA = torch.cuda.is_available()
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
+
+# Ragged group-size patterns: empty groups, one row, sizes that are not tile multiples, one hot
+# expert, nothing at all, and rows past the last group end (tail).
+SIZES = {
+    "ragged": ([0, 1, 130, 7, 0, 300, 64], 0),
+    "hot": ([700, 0, 0, 1, 0, 3], 0),
+    "all_empty": ([0, 0, 0], 0),
+    "zero_rows": ([0, 0], 0),
+    "tail": ([5, 0, 200], 37),
+    "one_group": ([257], 0),
+}
+
+
+def dtypes_for(device):
+    return [torch.bfloat16] if device == "cuda" else [torch.bfloat16, torch.float16, torch.float32]
+
+
+def make_offs(sizes, device, indptr=False):
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+    if indptr:
+        ends = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
+    return ends.to(torch.int32).to(device)
+
+
+def rand(*shape, dtype, device):
+    return torch.randn(*shape, dtype=torch.float32, device=device).to(dtype)
+
+
+def rel_err(out, expected):
+    out = out.double()
+    assert torch.isfinite(out).all(), "non-finite values in the output"
+    denom = expected.norm().item()
+    return (out - expected).norm().item() / max(denom, 1e-30)
+
+
+def tol(dtype):
+    return {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+
+
+def problem(name, device, dtype, n=136, k=200):
+    sizes, tail = SIZES[name]
+    sum_m = sum(sizes) + tail
+    e = len(sizes)
+    x = rand(sum_m, k, dtype=dtype, device=device)
+    w = rand(e, n, k, dtype=dtype, device=device)
+    g = rand(sum_m, n, dtype=dtype, device=device)
+    return sizes, sum_m, x, w, g, make_offs(sizes, device)
+
+
+@pytest.mark.parametrize("name", list(SIZES))
+def test_fwd_dgrad_wgrad_match_float64(device, name):
+    for dtype in dtypes_for(device):
+        sizes, sum_m, x, w, g, offs = problem(name, device, dtype)
+        last = sum(sizes)
+        y = gg.grouped_gemm_fwd(x, w, offs)
+        assert y.shape == (sum_m, w.shape[1]) and y.dtype == dtype
+        assert rel_err(y, ref.grouped_gemm_fwd(x, w, offs)) < tol(dtype)
+        assert (y[last:] == 0).all(), "rows past the last group end must be zeros"
+
+        dx = gg.grouped_gemm_dgrad(g, w, offs)
+        assert dx.shape == x.shape and dx.dtype == dtype
+        assert rel_err(dx, ref.grouped_gemm_dgrad(g, w, offs)) < tol(dtype)
+        assert (dx[last:] == 0).all()
+
+        for out_dtype in (dtype, torch.float32):
+            dw = gg.grouped_gemm_wgrad(g, x, offs, out_dtype=out_dtype)
+            assert dw.shape == w.shape and dw.dtype == out_dtype
+            assert rel_err(dw, ref.grouped_gemm_wgrad(g, x, offs, len(sizes))) < tol(dtype)
+            for e, size in enumerate(sizes):
+                if size == 0:
+                    assert (dw[e] == 0).all(), "empty groups must give exactly zero weight gradients"
+
+
+@pytest.mark.parametrize("n,k", [(8, 8), (64, 1024), (264, 56)])
+def test_shapes_not_tile_multiples(device, n, k):
+    sizes = [3, 129, 0, 255]
+    x = rand(sum(sizes), k, dtype=torch.bfloat16, device=device)
+    w = rand(4, n, k, dtype=torch.bfloat16, device=device)
+    offs = make_offs(sizes, device)
+    assert rel_err(gg.grouped_gemm_fwd(x, w, offs), ref.grouped_gemm_fwd(x, w, offs)) < 1e-2
+    g = rand(sum(sizes), n, dtype=torch.bfloat16, device=device)
+    assert rel_err(gg.grouped_gemm_dgrad(g, w, offs), ref.grouped_gemm_dgrad(g, w, offs)) < 1e-2
+    assert rel_err(gg.grouped_gemm_wgrad(g, x, offs), ref.grouped_gemm_wgrad(g, x, offs, 4)) < 1e-2
+
+
+def test_m_indptr_matches_offs(device):
+    sizes, sum_m, x, w, g, offs = problem("ragged", device, torch.bfloat16)
+    indptr = make_offs(sizes, device, indptr=True)
+    assert torch.equal(gg.grouped_gemm_fwd(x, w, offs), gg.grouped_gemm_fwd(x, w, m_indptr=indptr))
+    assert torch.equal(gg.grouped_gemm_dgrad(g, w, offs), gg.grouped_gemm_dgrad(g, w, m_indptr=indptr))
+    assert torch.equal(gg.grouped_gemm_wgrad(g, x, offs), gg.grouped_gemm_wgrad(g, x, m_indptr=indptr))
+    assert torch.equal(gg.grouped_gemm_fwd(x, w, offs), cake_ops.grouped_mm_bf16(x, w, indptr))
+
+
+def test_no_groups(device):
+    x = rand(9, 16, dtype=torch.bfloat16, device=device)
+    w = rand(0, 8, 16, dtype=torch.bfloat16, device=device)
+    offs = torch.zeros(0, dtype=torch.int32, device=device)
+    assert torch.equal(gg.grouped_gemm_fwd(x, w, offs), torch.zeros(9, 8, dtype=torch.bfloat16, device=device))
+    assert gg.grouped_gemm_wgrad(rand(9, 8, dtype=torch.bfloat16, device=device), x, offs).shape == (0, 8, 16)
+
+
+def test_wgrad_bitwise_repeatable(device):
+    sizes = [300, 0, 1, 517, 64]
+    x = rand(sum(sizes), 256, dtype=torch.bfloat16, device=device)
+    g = rand(sum(sizes), 128, dtype=torch.bfloat16, device=device)
+    offs = make_offs(sizes, device)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        first = gg.grouped_gemm_wgrad(g, x, offs, out_dtype=out_dtype)
+        for _ in range(3):
+            assert torch.equal(first, gg.grouped_gemm_wgrad(g, x, offs, out_dtype=out_dtype))
+
+
+def test_out_variants_write_every_element(device):
+    sizes, sum_m, x, w, g, offs = problem("tail", device, torch.bfloat16)
+    for prepare, args, expected in [
+        (gg.prepare_grouped_gemm_fwd, (x, w, offs), ref.grouped_gemm_fwd(x, w, offs)),
+        (gg.prepare_grouped_gemm_dgrad, (g, w, offs), ref.grouped_gemm_dgrad(g, w, offs)),
+        (gg.prepare_grouped_gemm_wgrad, (g, x, offs), ref.grouped_gemm_wgrad(g, x, offs, len(sizes))),
+    ]:
+        launch = prepare(*args)
+        launch.out.fill_(float("nan"))  # poison: every element must be written
+        out = launch.launch()
+        assert out is launch.out
+        assert rel_err(out, expected) < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+
+
+def test_autograd_matches_float64(device):
+    sizes = [33, 0, 1, 90]
+    x = rand(sum(sizes) + 5, 64, dtype=torch.bfloat16, device=device).requires_grad_()
+    w = rand(4, 48, 64, dtype=torch.bfloat16, device=device).requires_grad_()
+    offs = make_offs(sizes, device)
+    gy = rand(x.shape[0], 48, dtype=torch.bfloat16, device=device)
+    y = gg.cake_grouped_mm(x, w, offs)
+    y.backward(gy)
+
+    xr = x.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    yr = ref.grouped_gemm_fwd(xr, wr, offs)
+    yr.backward(gy.double())
+    assert rel_err(y, yr.detach()) < 1e-2
+    assert rel_err(x.grad, xr.grad) < 1e-2
+    assert rel_err(w.grad, wr.grad) < 1e-2
+    assert w.grad.dtype == torch.bfloat16
+    assert (w.grad[1] == 0).all(), "empty group: exactly zero weight gradient"
+    assert (x.grad[sum(sizes):] == 0).all(), "rows in no group get zero gradient"
+
+
+def test_autograd_function_and_op_agree(device):
+    sizes = [20, 3, 0]
+    offs = make_offs(sizes, device)
+    x = rand(23, 32, dtype=torch.bfloat16, device=device)
+    w = rand(3, 16, 32, dtype=torch.bfloat16, device=device)
+    gy = rand(23, 16, dtype=torch.bfloat16, device=device)
+    grads = []
+    for fn in (lambda a, b: gg.CakeGroupedMm.apply(a, b, offs, True),
+               lambda a, b: torch.ops.cake.grouped_gemm_fwd(a, b, offs)):
+        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fn(a, b).backward(gy)
+        grads.append((a.grad, b.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_gradcheck_and_gradgradcheck_cpu():
+    sizes = [3, 0, 4, 1]
+    offs = make_offs(sizes, "cpu")
+    x = torch.randn(sum(sizes) + 2, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)
+    fwd = lambda a, b: torch.ops.cake.grouped_gemm_fwd(a, b, offs)  # noqa: E731
+    assert torch.autograd.gradcheck(fwd, (x, w))
+    assert torch.autograd.gradgradcheck(fwd, (x, w))
+    g = torch.randn(sum(sizes) + 2, 6, dtype=torch.float64, requires_grad=True)
+    dgrad = lambda a, b: torch.ops.cake.grouped_gemm_dgrad(a, b, offs)  # noqa: E731
+    assert torch.autograd.gradcheck(dgrad, (g, w))
+    wgrad = lambda a, b: torch.ops.cake.grouped_gemm_wgrad(a, b, offs, 4, torch.float64)  # noqa: E731
+    assert torch.autograd.gradcheck(wgrad, (g, x))
+
+
+def test_deterministic_gradients_bitwise(device):
+    sizes = [400, 0, 77, 1000]
+    offs = make_offs(sizes, device)
+    x = rand(sum(sizes), 128, dtype=torch.bfloat16, device=device)
+    w = rand(4, 64, 128, dtype=torch.bfloat16, device=device)
+    gy = rand(sum(sizes), 64, dtype=torch.bfloat16, device=device)
+    runs = []
+    for _ in range(3):
+        a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+        gg.cake_grouped_mm(a, b, offs, deterministic=True).backward(gy)
+        runs.append((a.grad, b.grad))
+    for a_grad, b_grad in runs[1:]:
+        assert torch.equal(a_grad, runs[0][0]) and torch.equal(b_grad, runs[0][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck and torch.compile
+
+
+def opcheck_samples(device):
+    sizes = [5, 0, 1, 10]
+    offs = make_offs(sizes, device)
+    indptr = make_offs(sizes, device, indptr=True)
+    m, n, k, e = sum(sizes) + 2, 16, 24, len(sizes)
+
+    def t(*shape, dtype=torch.bfloat16, grad=False):
+        return rand(*shape, dtype=dtype, device=device).requires_grad_(grad)
+
+    ws = torch.empty(cake_ops._C.grouped_gemm_workspace_size(e), dtype=torch.uint8, device=device)
+    ops = torch.ops.cake
+    return [
+        (ops.grouped_gemm_fwd, (t(m, k, grad=True), t(e, n, k, grad=True), offs)),
+        (ops.grouped_gemm_fwd, (t(m, k), t(e, n, k), indptr)),
+        (ops.grouped_gemm_dgrad, (t(m, n, grad=True), t(e, n, k, grad=True), offs)),
+        (ops.grouped_gemm_wgrad, (t(m, n, grad=True), t(m, k, grad=True), offs, e, torch.bfloat16)),
+        (ops.grouped_gemm_wgrad, (t(m, n), t(m, k), indptr, e, torch.float32)),
+        (ops.grouped_gemm_fwd_out, (t(m, k), t(e, n, k), offs, t(m, n), ws)),
+        (ops.grouped_gemm_dgrad_out, (t(m, n), t(e, n, k), offs, t(m, k), ws)),
+        (ops.grouped_gemm_wgrad_out, (t(m, n), t(m, k), offs, t(e, n, k, dtype=torch.float32), ws)),
+    ]
+
+
+def test_opcheck_every_op(device):
+    checked = set()
+    for op, args in opcheck_samples(device):
+        torch.library.opcheck(op, args)  # schema, autograd registration, fake tensor, aot dispatch
+        checked.add(op._qualified_op_name)
+    defined = {getattr(torch.ops.cake, name)._qualified_op_name for name in dir(torch.ops.cake)
+               if isinstance(getattr(torch.ops.cake, name), torch._ops.OpOverloadPacket)}
+    assert len(defined) == 6
+    assert defined <= checked, f"ops without an opcheck sample: {defined - checked}"
+
+
+class TinyMoE(torch.nn.Module):
+    """Two grouped projections with an activation between: the shape of an MoE expert MLP."""
+
+    def __init__(self, e, h, i, device):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(rand(e, i, h, dtype=torch.bfloat16, device=device) * 0.1)
+        self.w2 = torch.nn.Parameter(rand(e, h, i, dtype=torch.bfloat16, device=device) * 0.1)
+
+    def forward(self, x, offs):
+        return gg.cake_grouped_mm(torch.nn.functional.silu(gg.cake_grouped_mm(x, self.w1, offs)), self.w2, offs)
+
+
+def run_moe_step(model, x, offs):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out = model(x, offs)
+    out.float().square().mean().backward()
+    return out.detach(), x.grad, model.w1.grad, model.w2.grad
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compile_fullgraph_moe_with_backward(device, mode):
+    if mode is not None and device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    torch._dynamo.reset()
+    sizes = [40, 0, 1, 23]
+    offs = make_offs(sizes, device)
+    model = TinyMoE(4, 32, 48, device)
+    x = rand(sum(sizes) + 3, 32, dtype=torch.bfloat16, device=device)
+    eager = run_moe_step(model, x, offs)
+    compiled_model = torch.compile(model, fullgraph=True, mode=mode)
+    for _ in range(3):  # warm-up, recording and replay for CUDA graphs
+        compiled = run_moe_step(compiled_model, x, offs)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b), "compiled and eager runs of the same kernels must agree bitwise"
+
+
+# ----------------------------------------------------------------------------------------------
+# Experimental warning
+
+
+def test_experimental_warning_once(monkeypatch):
+    from cake_ops import _experimental
+
+    monkeypatch.setattr(_experimental, "_warned", set())
+    x = torch.randn(4, 8)
+    w = torch.randn(2, 8, 8)
+    offs = torch.tensor([1, 4], dtype=torch.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gg.grouped_gemm_fwd(x, w, offs)
+        gg.grouped_gemm_dgrad(torch.randn(4, 8), w, offs)
+        cake_ops.grouped_mm_bf16(x.bfloat16(), w.bfloat16(), torch.tensor([0, 1, 4], dtype=torch.int32))
+    assert [type(c.message) for c in caught] == [cake_ops.ExperimentalWarning]
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: each names the op, what it expected and what it got.
+
+
+class TestErrors(expecttest.TestCase):
+    def setUp(self):
+        self.x = torch.randn(10, 16, dtype=torch.bfloat16)
+        self.w = torch.randn(3, 8, 16, dtype=torch.bfloat16)
+        self.g = torch.randn(10, 8, dtype=torch.bfloat16)
+        self.offs = torch.tensor([2, 2, 9], dtype=torch.int32)
+
+    def error(self, fn, *args):
+        with self.assertRaises(RuntimeError) as ctx:
+            fn(*args)
+        return str(ctx.exception).split("\n")[0]
+
+    def test_dtype(self):
+        fwd = torch.ops.cake.grouped_gemm_fwd
+        self.assertExpectedInline(self.error(fwd, self.x.float(), self.w, self.offs), """cake::grouped_gemm_fwd: x and w must have the same dtype, got Float and BFloat16""")
+        self.assertExpectedInline(self.error(fwd, self.x.int(), self.w.int(), self.offs), """cake::grouped_gemm_fwd: x must be bfloat16, float16, float32 or float64, got Int""")
+        self.assertExpectedInline(self.error(fwd, self.x, self.w, self.offs.long()), """cake::grouped_gemm_fwd: offs must be int32, got Long""")
+        self.assertExpectedInline(self.error(torch.ops.cake.grouped_gemm_wgrad, self.g, self.x, self.offs, 3, torch.float16), """cake::grouped_gemm_wgrad: out_dtype must be the input dtype (BFloat16) or float32, got Half""")
+
+    def test_shapes(self):
+        fwd = torch.ops.cake.grouped_gemm_fwd
+        self.assertExpectedInline(self.error(fwd, self.x[:, :8], self.w[:, :, :8].contiguous(), self.offs), """cake::grouped_gemm_fwd: x must be contiguous (row-major [sum_m, K]), got strides [16, 1]; call .contiguous() first""")
+        self.assertExpectedInline(self.error(fwd, self.x[:, :12].contiguous(), self.w, self.offs), """cake::grouped_gemm_fwd: K mismatch: x is [sum_m, K] with K=12 but w is [E, N, K] with K=16""")
+        self.assertExpectedInline(self.error(fwd, self.x[None], self.w, self.offs), """cake::grouped_gemm_fwd: x must be a 2-D [sum_m, K] tensor, got shape [1, 10, 16]""")
+        self.assertExpectedInline(self.error(fwd, self.x, self.w, self.offs[:2]), """cake::grouped_gemm_fwd: offs must be 1-D with E=3 entries (cumulative group ends) or E+1=4 (m_indptr with a leading zero), got shape [2]""")
+        self.assertExpectedInline(self.error(torch.ops.cake.grouped_gemm_dgrad, self.x, self.w, self.offs), """cake::grouped_gemm_dgrad: N mismatch: grad_out is [sum_m, N] with N=16 but w is [E, N, K] with N=8""")
+        self.assertExpectedInline(self.error(torch.ops.cake.grouped_gemm_wgrad, self.g[:9], self.x, self.offs, 3, torch.float32), """cake::grouped_gemm_wgrad: sum_m mismatch: grad_out has 9 rows but x has 10""")
+        self.assertExpectedInline(self.error(fwd, self.x, self.w.transpose(1, 2).contiguous().transpose(1, 2), self.offs), """cake::grouped_gemm_fwd: w must be contiguous (row-major [E, N, K]), got strides [128, 1, 8]; call .contiguous() first""")
+
+    def test_offset_values(self):
+        fwd = torch.ops.cake.grouped_gemm_fwd
+        self.assertExpectedInline(self.error(fwd, self.x, self.w, torch.tensor([2, 1, 9], dtype=torch.int32)), """cake::grouped_gemm_fwd: group ends must be non-decreasing, got 1 after 2 at group 1""")
+        self.assertExpectedInline(self.error(fwd, self.x, self.w, torch.tensor([2, 2, 11], dtype=torch.int32)), """cake::grouped_gemm_fwd: group end 11 at group 2 is past the 10 packed rows""")
+        self.assertExpectedInline(self.error(fwd, self.x, self.w, torch.tensor([1, 2, 2, 9], dtype=torch.int32)), """cake::grouped_gemm_fwd: m_indptr[0] must be 0, got 1""")
+        self.assertExpectedInline(self.error(fwd, self.x, self.w, torch.tensor([-1, 2, 9], dtype=torch.int32)), """cake::grouped_gemm_fwd: group ends must be non-decreasing, got -1 after 0 at group 0""")
+
+    def test_out_and_workspace(self):
+        ws = torch.empty(cake_ops._C.grouped_gemm_workspace_size(3), dtype=torch.uint8)
+        out = torch.empty(10, 9, dtype=torch.bfloat16)
+        self.assertExpectedInline(self.error(torch.ops.cake.grouped_gemm_fwd_out, self.x, self.w, self.offs, out, ws), """cake::grouped_gemm_fwd_out: out must have shape [10, 8], got [10, 9]""")
+        out = torch.empty(10, 8, dtype=torch.float32)
+        self.assertExpectedInline(self.error(torch.ops.cake.grouped_gemm_fwd_out, self.x, self.w, self.offs, out, ws), """cake::grouped_gemm_fwd_out: out must be BFloat16, got Float""")
+
+    def test_device_mismatch_reported_by_fake(self):
+        # Without a GPU, a meta tensor stands in for "another device": the fake raises.
+        self.assertExpectedInline(self.error(torch.ops.cake.grouped_gemm_fwd, self.x, self.w, self.offs.to("meta")), """cake::grouped_gemm_fwd: offs must be on the operands' device cpu, got meta""")
+        self.assertExpectedInline(self.error(torch.ops.cake.grouped_gemm_fwd, self.x, self.w.to("meta"), self.offs), """cake::grouped_gemm_fwd: x and w must be on the same device, got cpu and meta""")
+
+    def test_python_api(self):
+        with self.assertRaises(TypeError) as ctx:
+            gg.grouped_gemm_fwd(self.x, self.w)
+        self.assertExpectedInline(str(ctx.exception), """grouped_gemm_fwd: pass exactly one of offs [E] (group ends) or m_indptr [E+1]""")
+        with self.assertRaises(ValueError) as ctx:
+            gg.grouped_gemm_fwd(self.x, self.w, m_indptr=self.offs)
+        self.assertExpectedInline(str(ctx.exception), """grouped_gemm_fwd: m_indptr must have E+1=4 entries, got 3""")
+        with self.assertRaises(TypeError) as ctx:
+            cake_ops.grouped_mm_bf16(self.x.float(), self.w, self.offs)
+        self.assertExpectedInline(str(ctx.exception), """grouped_mm_bf16: a and b must be bfloat16, got torch.float32 and torch.bfloat16""")
+        with self.assertRaises(ValueError) as ctx:
+            cake_ops.grouped_mm_bf16(self.x, self.w, torch.tensor([0, 2, 2, 9], dtype=torch.int32), backend="cudnn")
+        self.assertExpectedInline(str(ctx.exception), """grouped_mm_bf16: backend must be 'cake' or 'torch', got 'cudnn'""")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU only: no host sync, graphs, large problems, device-side offset checks, the build itself.
+
+
+@cuda_only
+def test_no_host_sync_on_gpu():
+    sizes, sum_m, x, w, g, offs = problem("ragged", "cuda", torch.bfloat16)
+    launch = gg.prepare_grouped_gemm_fwd(x, w, offs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gg.grouped_gemm_fwd(x, w, offs)
+        gg.grouped_gemm_dgrad(g, w, offs)
+        gg.grouped_gemm_wgrad(g, x, offs, out_dtype=torch.float32)
+        launch.launch()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda_only
+def test_prepared_launches_replay_in_cuda_graph_with_new_offsets_and_data():
+    e, n, k = 6, 256, 512
+    capacity = 1500
+    x = rand(capacity, k, dtype=torch.bfloat16, device="cuda")
+    w = rand(e, n, k, dtype=torch.bfloat16, device="cuda")
+    g = rand(capacity, n, dtype=torch.bfloat16, device="cuda")
+    offs = make_offs([100, 0, 3, 700, 1, 200], "cuda")
+    launches = [gg.prepare_grouped_gemm_fwd(x, w, offs), gg.prepare_grouped_gemm_dgrad(g, w, offs),
+                gg.prepare_grouped_gemm_wgrad(g, x, offs, out_dtype=torch.float32)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for launch in launches:
+            launch.launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for launch in launches:
+            launch.launch()
+    for sizes in ([0, 0, 1499, 0, 0, 1], [250] * 6, [0] * 6, [1, 2, 3, 4, 5, 1000]):
+        offs.copy_(make_offs(sizes, "cuda"))
+        x.copy_(rand(capacity, k, dtype=torch.bfloat16, device="cuda"))
+        g.copy_(rand(capacity, n, dtype=torch.bfloat16, device="cuda"))
+        for launch in launches:
+            launch.out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(launches[0].out, ref.grouped_gemm_fwd(x, w, offs)) < 1e-2
+        assert rel_err(launches[1].out, ref.grouped_gemm_dgrad(g, w, offs)) < 1e-2
+        assert rel_err(launches[2].out, ref.grouped_gemm_wgrad(g, x, offs, e)) < 1e-2
+
+
+@cuda_only
+def test_many_groups_and_long_rows():
+    e = 1024
+    sizes = torch.randint(0, 40, (e,))
+    sizes[::7] = 0
+    sizes[5] = 3000
+    x = rand(int(sizes.sum()), 64, dtype=torch.bfloat16, device="cuda")
+    w = rand(e, 32, 64, dtype=torch.bfloat16, device="cuda")
+    offs = make_offs(sizes.tolist(), "cuda")
+    assert rel_err(gg.grouped_gemm_fwd(x, w, offs), ref.grouped_gemm_fwd(x, w, offs)) < 1e-2
+    g = rand(x.shape[0], 32, dtype=torch.bfloat16, device="cuda")
+    assert rel_err(gg.grouped_gemm_wgrad(g, x, offs), ref.grouped_gemm_wgrad(g, x, offs, e)) < 1e-2
+
+
+@cuda_only
+def test_cuda_errors():
+    x = rand(10, 16, dtype=torch.bfloat16, device="cuda")
+    w = rand(3, 8, 16, dtype=torch.bfloat16, device="cuda")
+    offs = torch.tensor([2, 2, 9], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"cake::grouped_gemm_fwd: offs must be on the operands' device cuda:0, got cpu"):
+        torch.ops.cake.grouped_gemm_fwd(x, w, offs)
+    with pytest.raises(RuntimeError, match=r"cake::grouped_gemm_fwd: x and w must be on the same device, got cuda:0 and cpu"):
+        torch.ops.cake.grouped_gemm_fwd(x, w.cpu(), offs.cuda())
+    with pytest.raises(RuntimeError, match=r"cake::grouped_gemm_fwd: CUDA kernels take bfloat16 operands, got Half"):
+        torch.ops.cake.grouped_gemm_fwd(x.half(), w.half(), offs.cuda())
+    with pytest.raises(RuntimeError, match=r"cake::grouped_gemm_fwd: CUDA kernels need N and K to be multiples of 8.*N=8 and K=12"):
+        torch.ops.cake.grouped_gemm_fwd(x[:, :12].contiguous(), w[:, :, :12].contiguous(), offs.cuda())
+
+
+@cuda_only
+def test_bad_offsets_on_gpu_fail_loudly():
+    # The GPU path never reads offsets on the host; invalid values trip a device-side assert
+    # naming the op (which ends the CUDA context, so this runs in a child process).
+    script = textwrap.dedent("""
+        import torch, cake_ops
+        x = torch.randn(10, 16, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(3, 8, 16, device="cuda", dtype=torch.bfloat16)
+        offs = torch.tensor([2, 1, 9], dtype=torch.int32, device="cuda")
+        torch.ops.cake.grouped_gemm_fwd(x, w, offs)
+        torch.cuda.synchronize()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "cake::grouped_gemm_fwd: offs must be non-decreasing" in proc.stdout + proc.stderr
+
+
+def find_cuobjdump():
+    candidates = [shutil.which("cuobjdump"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")]
+    try:
+        import triton
+        candidates.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and os.path.exists(c)), None)
+
+
+def test_grouped_gemm_kernels_are_hopper_wgmma():
+    # Needs no GPU: disassemble the built extension and check that every CUTLASS grouped GEMM
+    # kernel in it issues wgmma (HGMMA), i.e. runs on Hopper's tensor cores.
+    if "90a" not in cake_ops.build_info()["cuda_archs"]:
+        pytest.skip("this build has no sm_90a kernels")
+    tool = find_cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    proc = subprocess.run([tool, "--dump-sass", cake_ops._C.__file__], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    functions = proc.stdout.split("Function : ")[1:]
+    gemms = [f for f in functions if "GemmUniversal" in f.split("\n")[0]]
+    assert len(gemms) == 4, f"expected fwd, dgrad, wgrad bf16 and wgrad fp32 kernels, found {len(gemms)}"
+    for body in gemms:
+        assert "HGMMA" in body, f"no wgmma in {body.splitlines()[0][:120]}"
+
+
+def test_build_has_cuda_kernels_when_ci_says_so():
+    # CI builds against a CUDA torch with nvcc present: the sm_90a kernels must be in the build.
+    if os.environ.get("CAKE_EXPECT_CUDA_ARCHS") is None:
+        pytest.skip("set CAKE_EXPECT_CUDA_ARCHS to check the built targets")
+    assert cake_ops.build_info()["cuda_archs"] == os.environ["CAKE_EXPECT_CUDA_ARCHS"].split(",")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, test and benchmark cake_ops on a GPU machine without internet access.
 #   WHEELS=.whl tools/gpu_test.sh [results-dir]
-# Wheels the machine lacks (nvidia-cutlass) come from $WHEELS; torch, pytest, expecttest and
+# Wheels the machine lacks (nvidia-cutlass, expecttest) come from $WHEELS; torch, pytest, expecttest and
 # matplotlib must already be installed. The build goes in place (python/cake_ops/_C*.so) so the
 # working tree needs no install; the test log, benchmark JSON and plot go to the results dir.
 set -euo pipefail
@@ -11,8 +11,9 @@ RESULTS=${1:-benchmarks/results}
 SITE=${CAKE_SITE:-/tmp/cake_site}
 mkdir -p "$RESULTS"
 
-if ! python3 -c "import cutlass_library" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/nvidia_cutlass-*.whl
+# Wheels the machine lacks: nvidia-cutlass (headers) and expecttest (tests).
+if ! python3 -c "import cutlass_library, expecttest" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}

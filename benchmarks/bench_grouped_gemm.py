@@ -38,6 +38,7 @@ for _proj, (_n, _k) in {"gate_up": (4096, 6144), "down": (6144, 2048)}.items():
         SHAPES[f"{_proj}_e{_e}_m131072"] = (_e, 131072, _n, _k, "balanced")
 CPU_SHAPES = {"tiny_e8": (8, 512, 256, 256, "balanced"), "tiny_e4_skewed": (4, 384, 128, 256, "skewed")}
 OPS = ["fwd", "dgrad", "wgrad", "wgrad_f32", "fwdbwd"]
+GRAPH_MAX_ROWS = 4096  # problems this small are timed as CUDA-graph replays (both libraries)
 
 
 def group_sizes(e, sum_m, dist):
@@ -53,11 +54,16 @@ class Timer:
         self.device, self.reps, self.warmup = device, reps, warmup
         self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device == "cuda" else None
 
-    def __call__(self, fn, setup=None):
+    def __call__(self, fn, setup=None, graph=False):
         for _ in range(self.warmup):
             if setup:
                 setup()
             fn()
+        if graph:  # time replays of a CUDA graph of fn: no launch overhead in small problems
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            fn = g.replay
         times = []
         for _ in range(self.reps):
             if setup:
@@ -137,18 +143,25 @@ def run(args):
         for op in ops:
             row = {"shape": name, "op": op, "E": e, "sum_m": sum_m, "N": n, "K": k, "dist": dist}
             op_flops = flops * (3 if op == "fwdbwd" else 1)
-            for peer, (fn, setup) in cases(op, x, w, g, offs, sizes).items():
-                if peer == "loop_mm" and not args.loop:
+            graph = device == "cuda" and sum_m <= GRAPH_MAX_ROWS and op != "fwdbwd"
+            row["timing"] = "graph" if graph else "eager"
+            peers = cases(op, x, w, g, offs, sizes)
+            if args.sweep and device == "cuda" and op != "fwdbwd":
+                sweep(row, op, peers["cake"][0], timer, graph)
+            for peer, (fn, setup) in peers.items():
+                if peer == "loop_mm" and (not args.loop or graph):
                     continue
                 try:
-                    ms = timer(fn, setup)
+                    ms = timer(fn, setup, graph)
                 except (RuntimeError, TypeError) as exc:  # a peer that cannot run this case
                     row[f"{peer}_error"] = str(exc).split("\n")[0][:120]
                     continue
                 row[f"{peer}_ms"] = ms
                 row[f"{peer}_tflops"] = op_flops / ms / 1e9
-            if op == "fwd" and "cake_ms" in row:
-                row["cake_weight_tbps"] = weight_bytes / row["cake_ms"] / 1e9
+            if op in ("fwd", "dgrad"):  # weight-read bandwidth: what bounds decode-sized problems
+                for peer in ("cake", "torch_gmm"):
+                    if f"{peer}_ms" in row:
+                        row[f"{peer}_weight_tbps"] = weight_bytes / row[f"{peer}_ms"] / 1e9
             for peer in ("torch_gmm", "dense_mm", "loop_mm"):
                 if "cake_ms" in row and f"{peer}_ms" in row:
                     row[f"cake_vs_{peer}"] = row[f"{peer}_ms"] / row["cake_ms"]
@@ -157,20 +170,38 @@ def run(args):
     return device, rows
 
 
+def sweep(row, op, fn, timer, graph):
+    """Time every kernel configuration of the op's family; record each and the fastest."""
+    family = op
+    names = cake_ops._C.grouped_gemm_tactics(family)
+    best = None
+    try:
+        for i, name in enumerate(names):
+            cake_ops._C.set_grouped_gemm_tactic(family, i)
+            ms = timer(fn, None, graph)
+            row[f"tactic_{name}_ms"] = ms
+            if best is None or ms < best[1]:
+                best = (name, ms)
+    finally:
+        cake_ops._C.set_grouped_gemm_tactic(family, -1)
+    row["best_tactic"], row["best_tactic_ms"] = best
+
+
 def fmt(v, spec):
     width = int(spec.split(".")[0])
     return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(width)
 
 
 HEADER = (f"{'shape':34} {'op':9} {'cake ms':>9} {'cake TF/s':>9} {'gmm TF/s':>9} {'x gmm':>7} "
-          f"{'dense TF/s':>10} {'x dense':>7} {'W TB/s':>7}")
+          f"{'dense TF/s':>10} {'x dense':>7} {'W TB/s':>7}  best tactic (sweep)")
 
 
 def print_row(r):
     print(f"{r['shape']:34} {r['op']:9} {fmt(r.get('cake_ms'), '9.3f')} {fmt(r.get('cake_tflops'), '9.1f')} "
           f"{fmt(r.get('torch_gmm_tflops'), '9.1f')} {fmt(r.get('cake_vs_torch_gmm'), '7.3f')} "
           f"{fmt(r.get('dense_mm_tflops'), '10.1f')} {fmt(r.get('cake_vs_dense_mm'), '7.3f')} "
-          f"{fmt(r.get('cake_weight_tbps'), '7.2f')}", flush=True)
+          f"{fmt(r.get('cake_weight_tbps'), '7.2f')}  {r.get('best_tactic', '')} "
+          f"{fmt(r.get('best_tactic_ms'), '6.3f') if 'best_tactic' in r else ''}", flush=True)
 
 
 def geomean(values):
@@ -218,6 +249,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--loop", action="store_true", help="also time a per-expert torch.mm loop (fwd)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
+    p.add_argument("--sweep", action="store_true", help="also time every kernel configuration (GPU)")
     p.add_argument("--json", default="", help="write the rows here")
     p.add_argument("--plot", default="", help="write a PNG plot here")
     args = p.parse_args()

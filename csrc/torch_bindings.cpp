@@ -4,6 +4,9 @@
 #include <torch/library.h>
 
 #include "grouped_gemm_checks.h"
+#ifdef CAKE_WITH_CUDA
+#include "cuda/grouped_gemm/grouped_gemm_tactics.h"
+#endif
 
 TORCH_LIBRARY(cake, m) {
   // Ragged grouped GEMM. Groups are consecutive row ranges of the packed activations, given by
@@ -42,9 +45,48 @@ PyObject* workspace_size(PyObject*, PyObject* arg) {
   return PyLong_FromLongLong(cake::grouped_gemm_workspace_bytes(num_groups));
 }
 
+#ifdef CAKE_WITH_CUDA
+// Tactic names of a family ("fwd", "dgrad", "wgrad", "wgrad_f32"), in tactic-number order.
+PyObject* grouped_gemm_tactics(PyObject*, PyObject* arg) {
+  const char* family = PyUnicode_AsUTF8(arg);
+  if (family == nullptr) return nullptr;
+  try {
+    const auto& table = cake::tactics_sm90(cake::tactic_family(family));
+    PyObject* names = PyList_New(static_cast<Py_ssize_t>(table.size()));
+    for (size_t i = 0; i < table.size(); ++i) {
+      PyList_SET_ITEM(names, i, PyUnicode_FromString(table[i].name.c_str()));
+    }
+    return names;
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
+// Force tactic `index` for a family (-1: the heuristic again).
+PyObject* set_grouped_gemm_tactic(PyObject*, PyObject* args) {
+  const char* family = nullptr;
+  int index = -1;
+  if (!PyArg_ParseTuple(args, "si", &family, &index)) return nullptr;
+  try {
+    cake::set_tactic_override(cake::tactic_family(family), index);
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+#endif
+
 PyMethodDef methods[] = {
     {"grouped_gemm_workspace_size", workspace_size, METH_O,
      "Bytes of device workspace a grouped GEMM over num_groups groups needs."},
+#ifdef CAKE_WITH_CUDA
+    {"grouped_gemm_tactics", grouped_gemm_tactics, METH_O,
+     "Names of the SM90 kernel configurations of a family (fwd, dgrad, wgrad, wgrad_f32)."},
+    {"set_grouped_gemm_tactic", set_grouped_gemm_tactic, METH_VARARGS,
+     "set_grouped_gemm_tactic(family, index): force a configuration; -1 restores the heuristic."},
+#endif
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "cake_ops native ops", -1, methods};

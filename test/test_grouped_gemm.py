@@ -442,6 +442,39 @@ def test_many_groups_and_long_rows():
 
 
 @cuda_only
+@pytest.mark.parametrize("family", ["fwd", "dgrad", "wgrad", "wgrad_f32"])
+def test_every_kernel_configuration_matches_float64(family):
+    # Each tactic is its own kernel: check all of them, not only the heuristic's choice.
+    sizes = [0, 1, 130, 7, 0, 300, 64, 1000]
+    x = rand(sum(sizes) + 9, 264, dtype=torch.bfloat16, device="cuda")
+    w = rand(len(sizes), 136, 264, dtype=torch.bfloat16, device="cuda")
+    g = rand(x.shape[0], 136, dtype=torch.bfloat16, device="cuda")
+    offs = make_offs(sizes, "cuda")
+    run, expected = {
+        "fwd": (lambda: gg.grouped_gemm_fwd(x, w, offs), ref.grouped_gemm_fwd(x, w, offs)),
+        "dgrad": (lambda: gg.grouped_gemm_dgrad(g, w, offs), ref.grouped_gemm_dgrad(g, w, offs)),
+        "wgrad": (lambda: gg.grouped_gemm_wgrad(g, x, offs), ref.grouped_gemm_wgrad(g, x, offs, len(sizes))),
+        "wgrad_f32": (lambda: gg.grouped_gemm_wgrad(g, x, offs, out_dtype=torch.float32),
+                      ref.grouped_gemm_wgrad(g, x, offs, len(sizes))),
+    }[family]
+    names = cake_ops._C.grouped_gemm_tactics(family)
+    assert len(names) >= 3
+    try:
+        for i, name in enumerate(names):
+            cake_ops._C.set_grouped_gemm_tactic(family, i)
+            out = run()
+            assert rel_err(out, expected) < 1e-2, name
+            if family.startswith("wgrad"):
+                assert (out[0] == 0).all() and (out[4] == 0).all(), name
+            else:
+                assert (out[sum(sizes):] == 0).all(), name
+    finally:
+        cake_ops._C.set_grouped_gemm_tactic(family, -1)
+    with pytest.raises(ValueError, match=r"tactic must be -1 or in \[0, "):
+        cake_ops._C.set_grouped_gemm_tactic(family, len(names))
+
+
+@cuda_only
 def test_cuda_errors():
     x = rand(10, 16, dtype=torch.bfloat16, device="cuda")
     w = rand(3, 8, 16, dtype=torch.bfloat16, device="cuda")
@@ -495,7 +528,8 @@ def test_grouped_gemm_kernels_are_hopper_wgmma():
     assert proc.returncode == 0, proc.stderr
     functions = proc.stdout.split("Function : ")[1:]
     gemms = [f for f in functions if "GemmUniversal" in f.split("\n")[0]]
-    assert len(gemms) == 4, f"expected fwd, dgrad, wgrad bf16 and wgrad fp32 kernels, found {len(gemms)}"
+    expected = sum(len(cake_ops._C.grouped_gemm_tactics(f)) for f in ("fwd", "dgrad", "wgrad", "wgrad_f32"))
+    assert len(gemms) == expected, f"expected {expected} grouped GEMM kernels, found {len(gemms)}"
     for body in gemms:
         assert "HGMMA" in body, f"no wgmma in {body.splitlines()[0][:120]}"
 

@@ -5,13 +5,13 @@
 #include <torch/library.h>
 
 #include "cuda/common/arch.h"
-#include "cuda/grouped_gemm/grouped_gemm_launch.h"
+#include "cuda/grouped_gemm/grouped_gemm_tactics.h"
 #include "grouped_gemm_checks.h"
 
 namespace cake {
 namespace {
 
-enum class Op { kFwd, kDgrad, kWgrad };
+using Op = GroupedGemmOp;
 
 bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -70,17 +70,11 @@ void launch(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::T
   p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.device);
   switch (arch) {
-    case KernelArch::kSm90:
-      if (kind == Op::kFwd) {
-        sm90::grouped_gemm_fwd_bf16(p, stream);
-      } else if (kind == Op::kDgrad) {
-        sm90::grouped_gemm_dgrad_bf16(p, stream);
-      } else if (out.scalar_type() == at::kFloat) {
-        sm90::grouped_gemm_wgrad_f32(p, stream);
-      } else {
-        sm90::grouped_gemm_wgrad_bf16(p, stream);
-      }
+    case KernelArch::kSm90: {
+      const TacticFamily family = tactic_family(kind, out.scalar_type());
+      tactics_sm90(family)[choose_tactic_sm90(family, s)].launch(p, stream);
       return;
+    }
   }
 }
 

@@ -28,12 +28,13 @@ struct GroupedGemmParams {
   int sm_count = 0;
 };
 
+using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);
+
 namespace sm90 {
-// One function per kernel configuration, each in its own .cu file.
-void grouped_gemm_fwd_bf16(const GroupedGemmParams& p, cudaStream_t stream);
-void grouped_gemm_dgrad_bf16(const GroupedGemmParams& p, cudaStream_t stream);
-void grouped_gemm_wgrad_bf16(const GroupedGemmParams& p, cudaStream_t stream);
-void grouped_gemm_wgrad_f32(const GroupedGemmParams& p, cudaStream_t stream);
+// One function per kernel configuration (configs_sm90.inc), each in its own generated .cu file.
+#define CAKE_GG_CONFIG(name, ...) void grouped_gemm_##name(const GroupedGemmParams& p, cudaStream_t stream);
+#include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_GG_CONFIG
 }  // namespace sm90
 
 }  // namespace cake

@@ -30,12 +30,24 @@ using namespace cute;
 
 enum class Kind { kFwd, kDgrad, kWgrad };
 
+// Cooperative: both consumer warpgroups split one tile (good for large tiles). Pingpong: each
+// consumer warpgroup owns a tile and their mainloops and epilogues alternate (good for small
+// tiles, where the epilogue would otherwise idle the tensor cores).
+struct Cooperative {
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
 // The GEMM each kind runs per group g (rows [s, t) of the packed operands, expert e), in
 // CUTLASS terms D (M x N) = A (M x K) * B (K x N):
 //   fwd:   M = t-s, N = N, K = K;  A = x[s:t] (row-major),  B = w[e]^T (K-major), D = y[s:t]
 //   dgrad: M = t-s, N = K, K = N;  A = g[s:t] (row-major),  B = w[e] (N-major, read in place)
 //   wgrad: M = N, N = K, K = t-s;  A = g[s:t]^T (M-major),  B = x[s:t] (N-major), D = dw[e]
-template <Kind kKind, class ElementOut_, class TileShape_, class ClusterShape_>
+template <Kind kKind, class ElementOut_, class TileShape_, class ClusterShape_, class Schedule>
 struct GroupedGemmConfig {
   static constexpr Kind kind = kKind;
   using ElementIn = cutlass::bfloat16_t;
@@ -54,7 +66,7 @@ struct GroupedGemmConfig {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
       void, LayoutD*, kAlignOut,  // no source C: D = A * B
-      ElementOut, LayoutD*, kAlignOut, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      ElementOut, LayoutD*, kAlignOut, typename Schedule::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator, void,
                                                    ElementAccumulator>>::CollectiveOp;
 
@@ -63,7 +75,7 @@ struct GroupedGemmConfig {
       ElementIn, LayoutB*, kAlignIn, ElementAccumulator, TileShape_, ClusterShape_,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::KernelSchedule>::CollectiveOp;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
@@ -244,3 +256,12 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
 }
 
 }  // namespace cake::sm90
+
+// Defines the launcher of one configuration (used by the generated per-configuration .cu files).
+#define CAKE_GG_DEFINE_CONFIG(name, kind, out, tm, tn, tk, cm, cn, schedule)                      \
+  void cake::sm90::grouped_gemm_##name(const cake::GroupedGemmParams& p, cudaStream_t stream) { \
+    using Config = cake::sm90::GroupedGemmConfig<                                                \
+        cake::sm90::Kind::kind, out, cute::Shape<cute::Int<tm>, cute::Int<tn>, cute::Int<tk>>,   \
+        cute::Shape<cute::Int<cm>, cute::Int<cn>, cute::_1>, cake::sm90::schedule>;              \
+    cake::sm90::run_grouped_gemm<Config>(p, stream);                                             \
+  }

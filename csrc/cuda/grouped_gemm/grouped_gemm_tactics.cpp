@@ -1,0 +1,90 @@
+#include "cuda/grouped_gemm/grouped_gemm_tactics.h"
+
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+
+namespace cake {
+namespace {
+
+std::array<std::atomic<int>, static_cast<int>(TacticFamily::kCount)> g_override{-1, -1, -1, -1};
+
+std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
+  std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> tables;
+  auto add = [&](const char* name, GroupedGemmLaunchFn fn) {
+    // The name starts with the family: fwd_bf16_, dgrad_bf16_, wgrad_bf16_, wgrad_f32_.
+    TacticFamily family = std::strncmp(name, "fwd_", 4) == 0     ? TacticFamily::kFwdBf16
+                          : std::strncmp(name, "dgrad_", 6) == 0 ? TacticFamily::kDgradBf16
+                          : std::strncmp(name, "wgrad_f32", 9) == 0 ? TacticFamily::kWgradF32
+                                                                    : TacticFamily::kWgradBf16;
+    tables[static_cast<int>(family)].push_back({name, fn});
+  };
+#define CAKE_GG_CONFIG(name, ...) add(#name, &sm90::grouped_gemm_##name);
+#include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_GG_CONFIG
+  return tables;
+}
+
+int find(TacticFamily family, const char* name) {
+  const auto& table = tactics_sm90(family);
+  for (size_t i = 0; i < table.size(); ++i) {
+    if (table[i].name.find(name) != std::string::npos) return static_cast<int>(i);
+  }
+  TORCH_CHECK(false, "cake grouped GEMM: no tactic named like ", name, " (internal error)");
+}
+
+}  // namespace
+
+TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType out_dtype) {
+  switch (op) {
+    case GroupedGemmOp::kFwd:
+      return TacticFamily::kFwdBf16;
+    case GroupedGemmOp::kDgrad:
+      return TacticFamily::kDgradBf16;
+    case GroupedGemmOp::kWgrad:
+      return out_dtype == at::kFloat ? TacticFamily::kWgradF32 : TacticFamily::kWgradBf16;
+  }
+  TORCH_CHECK(false, "cake grouped GEMM: unknown op");
+}
+
+TacticFamily tactic_family(const std::string& name) {
+  if (name == "fwd") return TacticFamily::kFwdBf16;
+  if (name == "dgrad") return TacticFamily::kDgradBf16;
+  if (name == "wgrad") return TacticFamily::kWgradBf16;
+  if (name == "wgrad_f32") return TacticFamily::kWgradF32;
+  TORCH_CHECK(false, "grouped GEMM tactics: family must be fwd, dgrad, wgrad or wgrad_f32, got '",
+              name, "'");
+}
+
+const std::vector<Tactic>& tactics_sm90(TacticFamily family) {
+  static const auto tables = build_sm90_tables();
+  return tables[static_cast<int>(family)];
+}
+
+int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
+  const int forced = g_override[static_cast<int>(family)].load(std::memory_order_relaxed);
+  if (forced >= 0) return forced;
+  // Heuristic v0 (benchmarks/NOTES.md): small groups waste rows of a 128-row tile, so they get
+  // 64-row pingpong tiles; large groups get the largest tiles.
+  const int64_t rows_per_group = s.num_groups > 0 ? s.sum_m / s.num_groups : s.sum_m;
+  switch (family) {
+    case TacticFamily::kFwdBf16:
+    case TacticFamily::kDgradBf16:
+      if (rows_per_group <= 64) return find(family, "ping_64x128");
+      if (rows_per_group <= 256) return find(family, "coop_128x128");
+      return find(family, "coop_256x128");
+    default:
+      return find(family, "coop_128x128");
+  }
+}
+
+void set_tactic_override(TacticFamily family, int tactic) {
+  const int count = static_cast<int>(tactics_sm90(family).size());
+  TORCH_CHECK(tactic >= -1 && tactic < count, "set_grouped_gemm_tactic: tactic must be -1 or in [0, ",
+              count, "), got ", tactic);
+  g_override[static_cast<int>(family)].store(tactic, std::memory_order_relaxed);
+}
+
+}  // namespace cake

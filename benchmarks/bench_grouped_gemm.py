@@ -146,8 +146,8 @@ def run(args):
             graph = device == "cuda" and sum_m <= GRAPH_MAX_ROWS and op != "fwdbwd"
             row["timing"] = "graph" if graph else "eager"
             peers = cases(op, x, w, g, offs, sizes)
-            if args.sweep and device == "cuda" and op != "fwdbwd":
-                sweep(row, op, peers["cake"][0], timer, graph)
+            if (args.sweep or args.sweep_all) and device == "cuda" and op != "fwdbwd":
+                sweep(row, op, peers["cake"][0], timer, graph, args.sweep_all)
             for peer, (fn, setup) in peers.items():
                 if peer == "loop_mm" and (not args.loop or graph):
                     continue
@@ -170,13 +170,16 @@ def run(args):
     return device, rows
 
 
-def sweep(row, op, fn, timer, graph):
-    """Time every kernel configuration of the op's family; record each and the fastest."""
+def sweep(row, op, fn, timer, graph, every_order):
+    """Time the kernel configurations of the op's family (each in its default tile order, or in
+    every tile order with every_order); record each and the fastest."""
     family = op
     names = cake_ops._C.grouped_gemm_tactics(family)
     best = None
     try:
         for i, name in enumerate(names):
+            if not every_order and ("_raster" in name or "_swz" in name):
+                continue
             cake_ops._C.set_grouped_gemm_tactic(family, i)
             ms = timer(fn, None, graph)
             row[f"tactic_{name}_ms"] = ms
@@ -209,8 +212,20 @@ def geomean(values):
     return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
 
 
+HBM_TBPS = 4.8  # H200 datasheet read bandwidth: the floor for weight-bound (decode) problems
+
+
 def summary(rows, ops):
-    out = {}
+    out = {"decode": []}
+    for r in rows:
+        if r.get("timing") == "graph" and "cake_weight_tbps" in r:
+            entry = {"shape": r["shape"], "op": r["op"], "cake_tbps": r["cake_weight_tbps"],
+                     "torch_gmm_tbps": r.get("torch_gmm_weight_tbps"),
+                     "fraction_of_hbm": r["cake_weight_tbps"] / HBM_TBPS}
+            out["decode"].append(entry)
+            print(f"{r['shape']:34} {r['op']:6} weight read {entry['cake_tbps']:.2f} TB/s = "
+                  f"{100 * entry['fraction_of_hbm']:.0f}% of {HBM_TBPS} TB/s "
+                  f"(torch._grouped_mm {fmt(entry['torch_gmm_tbps'], '4.2f')} TB/s)")
     for op in ops:
         ratios = [r.get("cake_vs_torch_gmm") for r in rows if r["op"] == op]
         ratios = [v for v in ratios if v]
@@ -250,6 +265,7 @@ def main():
     p.add_argument("--loop", action="store_true", help="also time a per-expert torch.mm loop (fwd)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     p.add_argument("--sweep", action="store_true", help="also time every kernel configuration (GPU)")
+    p.add_argument("--sweep-all", action="store_true", help="... in every scheduler tile order too")
     p.add_argument("--json", default="", help="write the rows here")
     p.add_argument("--plot", default="", help="write a PNG plot here")
     args = p.parse_args()

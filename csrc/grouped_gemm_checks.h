@@ -23,6 +23,8 @@ inline int64_t grouped_gemm_workspace_bytes(int64_t num_groups) {
   return 8 * kWorkspaceAlign + num_groups * kPerGroupBytes + kCutlassWorkspaceBytes;
 }
 
+enum class GroupedGemmOp { kFwd, kDgrad, kWgrad };
+
 // The problem of one grouped GEMM op, in the op's own terms: w is [E, N, K].
 struct GroupedGemmShape {
   int64_t num_groups = 0;  // E

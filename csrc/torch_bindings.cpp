@@ -76,6 +76,41 @@ PyObject* set_grouped_gemm_tactic(PyObject*, PyObject* args) {
   }
   Py_RETURN_NONE;
 }
+
+// The tactic a launch of this problem would run now (override, tuned or heuristic).
+PyObject* grouped_gemm_tactic_for(PyObject*, PyObject* args) {
+  const char* family = nullptr;
+  long long e = 0, sum_m = 0, n = 0, k = 0;
+  if (!PyArg_ParseTuple(args, "sLLLL", &family, &e, &sum_m, &n, &k)) return nullptr;
+  try {
+    cake::GroupedGemmShape s{e, sum_m, n, k, false};
+    return PyLong_FromLong(cake::choose_tactic_sm90(cake::tactic_family(family), s));
+  } catch (const c10::Error& err) {
+    PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
+    return nullptr;
+  }
+}
+
+// Keep `tactic` for problems of the bucket of (E, sum_m, N, K) (what the autotuner measured).
+PyObject* set_grouped_gemm_tuned_tactic(PyObject*, PyObject* args) {
+  const char* family = nullptr;
+  long long e = 0, sum_m = 0, n = 0, k = 0;
+  int tactic = -1;
+  if (!PyArg_ParseTuple(args, "sLLLLi", &family, &e, &sum_m, &n, &k, &tactic)) return nullptr;
+  try {
+    cake::set_tuned_tactic(cake::tactic_family(family), cake::GroupedGemmShape{e, sum_m, n, k, false},
+                           tactic);
+  } catch (const c10::Error& err) {
+    PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* clear_grouped_gemm_tuned_tactics(PyObject*, PyObject*) {
+  cake::clear_tuned_tactics();
+  Py_RETURN_NONE;
+}
 #endif
 
 PyMethodDef methods[] = {
@@ -86,6 +121,12 @@ PyMethodDef methods[] = {
      "Names of the SM90 kernel configurations of a family (fwd, dgrad, wgrad, wgrad_f32)."},
     {"set_grouped_gemm_tactic", set_grouped_gemm_tactic, METH_VARARGS,
      "set_grouped_gemm_tactic(family, index): force a configuration; -1 restores the heuristic."},
+    {"grouped_gemm_tactic_for", grouped_gemm_tactic_for, METH_VARARGS,
+     "grouped_gemm_tactic_for(family, E, sum_m, N, K): the tactic such a launch runs now."},
+    {"set_grouped_gemm_tuned_tactic", set_grouped_gemm_tuned_tactic, METH_VARARGS,
+     "set_grouped_gemm_tuned_tactic(family, E, sum_m, N, K, tactic): keep a tuned choice."},
+    {"clear_grouped_gemm_tuned_tactics", clear_grouped_gemm_tuned_tactics, METH_NOARGS,
+     "Forget every tuned choice."},
 #endif
     {nullptr, nullptr, 0, nullptr}};
 

@@ -1,5 +1,6 @@
 """cake::grouped_gemm_{fwd,dgrad,wgrad}: numerics against float64, autograd, opcheck, compile,
 prepared launches and errors. CUDA variants run when a GPU is present."""
+import json
 import os
 import shutil
 import subprocess
@@ -290,6 +291,51 @@ def test_compile_fullgraph_moe_with_backward(device, mode):
 
 
 # ----------------------------------------------------------------------------------------------
+# Autotuning
+
+
+def test_autotune_context_on_cpu_is_a_no_op(tmp_path):
+    sizes, sum_m, x, w, g, offs = problem("ragged", "cpu", torch.float32)
+    cache = tmp_path / "tuning.json"
+    with cake_ops.autotune(cache_file=str(cache)):
+        y = gg.grouped_gemm_fwd(x, w, offs)
+    assert rel_err(y, ref.grouped_gemm_fwd(x, w, offs)) < 1e-5
+    assert json.loads(cache.read_text())["grouped_gemm"] == {}
+
+
+@cuda_only
+def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
+    cake_ops.clear_tuning()
+    sizes = [300, 0, 17, 1024, 5]
+    x = rand(sum(sizes), 512, dtype=torch.bfloat16, device="cuda")
+    w = rand(len(sizes), 256, 512, dtype=torch.bfloat16, device="cuda")
+    g = rand(sum(sizes), 256, dtype=torch.bfloat16, device="cuda")
+    offs = make_offs(sizes, "cuda")
+    e, n, k, m = len(sizes), 256, 512, sum(sizes)
+    heuristic = cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k)
+    cache = tmp_path / "tuning.json"
+    try:
+        with cake_ops.autotune(cache_file=str(cache)):
+            y = gg.grouped_gemm_fwd(x, w, offs)
+            dw = gg.grouped_gemm_wgrad(g, x, offs, out_dtype=torch.float32)
+        assert rel_err(y, ref.grouped_gemm_fwd(x, w, offs)) < 1e-2
+        assert rel_err(dw, ref.grouped_gemm_wgrad(g, x, offs, e)) < 1e-2
+        entries = json.loads(cache.read_text())["grouped_gemm"]
+        rows = 2048  # sum_m 1346 rounded up to a power of two
+        fwd_name = entries[f"fwd|{e}|{rows}|{n}|{k}"]
+        assert f"wgrad_f32|{e}|{rows}|{n}|{k}" in entries
+        names = cake_ops._C.grouped_gemm_tactics("fwd")
+        assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k) == names.index(fwd_name)
+        cake_ops.clear_tuning()
+        assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k) == heuristic
+        assert cake_ops.load_tuning(str(cache)) == 2
+        assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k) == names.index(fwd_name)
+        assert torch.equal(gg.grouped_gemm_fwd(x, w, offs), y)  # the tuned kernel runs outside the context
+    finally:
+        cake_ops.clear_tuning()
+
+
+# ----------------------------------------------------------------------------------------------
 # Experimental warning
 
 
@@ -442,6 +488,34 @@ def test_many_groups_and_long_rows():
 
 
 @cuda_only
+def test_64bit_indexing():
+    # 2^20 + 5 packed rows, and a weight tensor of more than 2^31 elements whose last experts
+    # start past the 32-bit element offset.
+    rows = [2**20 - 7, 0, 12]
+    x = rand(sum(rows), 64, dtype=torch.bfloat16, device="cuda")
+    w = rand(3, 64, 64, dtype=torch.bfloat16, device="cuda")
+    offs = make_offs(rows, "cuda")
+    assert rel_err(gg.grouped_gemm_fwd(x, w, offs), ref.grouped_gemm_fwd(x, w, offs)) < 1e-2
+    g = rand(sum(rows), 64, dtype=torch.bfloat16, device="cuda")
+    assert rel_err(gg.grouped_gemm_wgrad(g, x, offs), ref.grouped_gemm_wgrad(g, x, offs, 3)) < 1e-2
+
+    e, n, k = 130, 4096, 4096  # 2.18e9 elements
+    big = torch.empty(e, n, k, dtype=torch.bfloat16, device="cuda")
+    big[-2:].copy_(rand(2, n, k, dtype=torch.bfloat16, device="cuda"))
+    sizes = [0] * (e - 2) + [5, 9]
+    xs = rand(14, k, dtype=torch.bfloat16, device="cuda")
+    offs = make_offs(sizes, "cuda")
+    y = gg.grouped_gemm_fwd(xs, big, offs)
+    expected = torch.cat([xs[:5].double() @ big[-2].double().T, xs[5:].double() @ big[-1].double().T])
+    assert rel_err(y, expected) < 1e-2
+    gs = rand(14, n, dtype=torch.bfloat16, device="cuda")
+    dx = gg.grouped_gemm_dgrad(gs, big, offs)
+    expected = torch.cat([gs[:5].double() @ big[-2].double(), gs[5:].double() @ big[-1].double()])
+    assert rel_err(dx, expected) < 1e-2
+    del big
+
+
+@cuda_only
 @pytest.mark.parametrize("family", ["fwd", "dgrad", "wgrad", "wgrad_f32"])
 def test_every_kernel_configuration_matches_float64(family):
     # Each tactic is its own kernel: check all of them, not only the heuristic's choice.
@@ -528,7 +602,9 @@ def test_grouped_gemm_kernels_are_hopper_wgmma():
     assert proc.returncode == 0, proc.stderr
     functions = proc.stdout.split("Function : ")[1:]
     gemms = [f for f in functions if "GemmUniversal" in f.split("\n")[0]]
-    expected = sum(len(cake_ops._C.grouped_gemm_tactics(f)) for f in ("fwd", "dgrad", "wgrad", "wgrad_f32"))
+    # One kernel per configuration; each configuration appears as several tactics (tile orders).
+    expected = len({name.split("_raster")[0].split("_swz")[0] for f in ("fwd", "dgrad", "wgrad", "wgrad_f32")
+                    for name in cake_ops._C.grouped_gemm_tactics(f)})
     assert len(gemms) == expected, f"expected {expected} grouped GEMM kernels, found {len(gemms)}"
     for body in gemms:
         assert "HGMMA" in body, f"no wgmma in {body.splitlines()[0][:120]}"

@@ -10,6 +10,7 @@ from . import _C  # registers the schemas and the CPU / CUDA kernels
 from . import _fake  # noqa: F401  (registers the fake implementations)
 from . import grouped_gemm
 from ._experimental import ExperimentalWarning
+from .autotune import autotune, clear_tuning, load_tuning, save_tuning
 from .grouped_gemm import grouped_mm_bf16
 
 __version__ = "0.1.0"
@@ -25,4 +26,5 @@ def build_info() -> dict:
     }
 
 
-__all__ = ["ExperimentalWarning", "build_info", "grouped_gemm", "grouped_mm_bf16"]
+__all__ = ["ExperimentalWarning", "autotune", "build_info", "clear_tuning", "grouped_gemm", "grouped_mm_bf16",
+           "load_tuning", "save_tuning"]

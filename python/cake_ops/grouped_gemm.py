@@ -30,6 +30,7 @@ import torch
 
 from . import _C, _fake
 from ._experimental import warn_experimental
+from .autotune import tune_grouped_gemm, tuning_active
 
 __all__ = [
     "CakeGroupedMm",
@@ -74,7 +75,9 @@ def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tens
     ``[E + 1]``, on x's device. Output in x's dtype; rows past the last group end are zero.
     """
     warn_experimental(_FEATURE)
-    return torch.ops.cake.grouped_gemm_fwd(x, w, _bounds("grouped_gemm_fwd", offs, m_indptr, w.shape[0]))
+    bounds = _bounds("grouped_gemm_fwd", offs, m_indptr, w.shape[0])
+    return _tuned_call("fwd", torch.ops.cake.grouped_gemm_fwd, (x, w, bounds),
+                       lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
 
 
 def grouped_gemm_dgrad(grad_out: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tensor] = None, *,
@@ -84,8 +87,9 @@ def grouped_gemm_dgrad(grad_out: torch.Tensor, w: torch.Tensor, offs: Optional[t
     w is read in place (no transposed copy). Boundaries as in :func:`grouped_gemm_fwd`.
     """
     warn_experimental(_FEATURE)
-    return torch.ops.cake.grouped_gemm_dgrad(
-        grad_out, w, _bounds("grouped_gemm_dgrad", offs, m_indptr, w.shape[0]))
+    bounds = _bounds("grouped_gemm_dgrad", offs, m_indptr, w.shape[0])
+    return _tuned_call("dgrad", torch.ops.cake.grouped_gemm_dgrad, (grad_out, w, bounds),
+                       lambda: (w.shape[0], grad_out.shape[0], w.shape[1], w.shape[2]))
 
 
 def grouped_gemm_wgrad(grad_out: torch.Tensor, x: torch.Tensor, offs: Optional[torch.Tensor] = None, *,
@@ -98,9 +102,21 @@ def grouped_gemm_wgrad(grad_out: torch.Tensor, x: torch.Tensor, offs: Optional[t
     """
     warn_experimental(_FEATURE)
     num_groups = _num_groups("grouped_gemm_wgrad", offs, m_indptr)
-    return torch.ops.cake.grouped_gemm_wgrad(
-        grad_out, x, _bounds("grouped_gemm_wgrad", offs, m_indptr, None), num_groups,
-        out_dtype if out_dtype is not None else x.dtype)
+    out_dtype = out_dtype if out_dtype is not None else x.dtype
+    args = (grad_out, x, _bounds("grouped_gemm_wgrad", offs, m_indptr, None), num_groups, out_dtype)
+    return _tuned_call(_wgrad_family(out_dtype), torch.ops.cake.grouped_gemm_wgrad, args,
+                       lambda: (num_groups, x.shape[0], grad_out.shape[1], x.shape[1]))
+
+
+def _wgrad_family(out_dtype):
+    return "wgrad_f32" if out_dtype == torch.float32 else "wgrad"
+
+
+def _tuned_call(family, op, args, dims):
+    """Run op(*args); inside cake_ops.autotune() first tune its bucket, dims() = (E, sum_m, N, K)."""
+    if tuning_active():
+        tune_grouped_gemm(family, dims, lambda: op(*args), args[0].device)
+    return op(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,8 +132,11 @@ def _fwd_setup_context(ctx, inputs, output):
 def _fwd_backward(ctx, grad):
     x, w, offs = ctx.saved_tensors
     grad = grad.contiguous()
-    dx = torch.ops.cake.grouped_gemm_dgrad(grad, w, offs) if ctx.needs_input_grad[0] else None
-    dw = (torch.ops.cake.grouped_gemm_wgrad(grad, x, offs, w.shape[0], w.dtype)
+    e, n, k = w.shape
+    dims = lambda: (e, x.shape[0], n, k)  # noqa: E731
+    dx = (_tuned_call("dgrad", torch.ops.cake.grouped_gemm_dgrad, (grad, w, offs), dims)
+          if ctx.needs_input_grad[0] else None)
+    dw = (_tuned_call(_wgrad_family(w.dtype), torch.ops.cake.grouped_gemm_wgrad, (grad, x, offs, e, w.dtype), dims)
           if ctx.needs_input_grad[1] else None)
     return dx, dw, None
 
@@ -160,7 +179,8 @@ class CakeGroupedMm(torch.autograd.Function):
 
     @staticmethod
     def forward(x, w, offs, deterministic=True):
-        return torch.ops.cake.grouped_gemm_fwd(x, w, offs)
+        return _tuned_call("fwd", torch.ops.cake.grouped_gemm_fwd, (x, w, offs),
+                           lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -211,48 +231,46 @@ class GroupedGemmLaunch:
         return self.launch()
 
 
-def _workspace(num_groups: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(_C.grouped_gemm_workspace_size(num_groups), dtype=torch.uint8, device=device)
+def _bind(fn, out_op, args, out, shape, dtype, like, num_groups) -> GroupedGemmLaunch:
+    """A launch of out_op(*args, out, workspace); out (made if None) checked against shape/dtype."""
+    out = like.new_empty(shape, dtype=dtype) if out is None else out
+    _fake.check_out(out, shape, dtype, like, fn)
+    workspace = torch.empty(_C.grouped_gemm_workspace_size(num_groups), dtype=torch.uint8, device=like.device)
+    return GroupedGemmLaunch(out_op, args, out, workspace)
 
 
 def prepare_grouped_gemm_fwd(x, w, offs=None, *, m_indptr=None, out=None) -> GroupedGemmLaunch:
     """Validate and bind a :func:`grouped_gemm_fwd`; ``out`` ``[sum_m, N]`` is made if not given."""
     warn_experimental(_FEATURE)
-    op = "prepare_grouped_gemm_fwd"
-    bounds = _bounds(op, offs, m_indptr, w.shape[0])
-    shape = _fake.check_fwd(x, w, bounds, op)
-    out = x.new_empty(shape) if out is None else out
-    _fake.check_out(out, shape, x.dtype, x, op)
-    return GroupedGemmLaunch(torch.ops.cake.grouped_gemm_fwd_out.default, (x, w, bounds), out,
-                             _workspace(w.shape[0], x.device))
+    fn = "prepare_grouped_gemm_fwd"
+    bounds = _bounds(fn, offs, m_indptr, w.shape[0])
+    shape = _fake.check_fwd(x, w, bounds, fn)
+    return _bind(fn, torch.ops.cake.grouped_gemm_fwd_out.default, (x, w, bounds), out, shape, x.dtype, x,
+                 w.shape[0])
 
 
 def prepare_grouped_gemm_dgrad(grad_out, w, offs=None, *, m_indptr=None, out=None) -> GroupedGemmLaunch:
     """Validate and bind a :func:`grouped_gemm_dgrad`; ``out`` ``[sum_m, K]`` is made if not given."""
     warn_experimental(_FEATURE)
-    op = "prepare_grouped_gemm_dgrad"
-    bounds = _bounds(op, offs, m_indptr, w.shape[0])
-    shape = _fake.check_dgrad(grad_out, w, bounds, op)
-    out = grad_out.new_empty(shape) if out is None else out
-    _fake.check_out(out, shape, grad_out.dtype, grad_out, op)
-    return GroupedGemmLaunch(torch.ops.cake.grouped_gemm_dgrad_out.default, (grad_out, w, bounds), out,
-                             _workspace(w.shape[0], grad_out.device))
+    fn = "prepare_grouped_gemm_dgrad"
+    bounds = _bounds(fn, offs, m_indptr, w.shape[0])
+    shape = _fake.check_dgrad(grad_out, w, bounds, fn)
+    return _bind(fn, torch.ops.cake.grouped_gemm_dgrad_out.default, (grad_out, w, bounds), out, shape,
+                 grad_out.dtype, grad_out, w.shape[0])
 
 
 def prepare_grouped_gemm_wgrad(grad_out, x, offs=None, *, m_indptr=None, out=None,
                                out_dtype: Optional[torch.dtype] = None) -> GroupedGemmLaunch:
     """Validate and bind a :func:`grouped_gemm_wgrad`; ``out`` ``[E, N, K]`` is made if not given."""
     warn_experimental(_FEATURE)
-    op = "prepare_grouped_gemm_wgrad"
-    num_groups = _num_groups(op, offs, m_indptr)
-    bounds = _bounds(op, offs, m_indptr, None)
+    fn = "prepare_grouped_gemm_wgrad"
+    num_groups = _num_groups(fn, offs, m_indptr)
+    bounds = _bounds(fn, offs, m_indptr, None)
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else x.dtype
-    shape = _fake.check_wgrad(grad_out, x, bounds, num_groups, out_dtype, op)
-    out = x.new_empty(shape, dtype=out_dtype) if out is None else out
-    _fake.check_out(out, shape, out_dtype, x, op)
-    return GroupedGemmLaunch(torch.ops.cake.grouped_gemm_wgrad_out.default, (grad_out, x, bounds), out,
-                             _workspace(num_groups, x.device))
+    shape = _fake.check_wgrad(grad_out, x, bounds, num_groups, out_dtype, fn)
+    return _bind(fn, torch.ops.cake.grouped_gemm_wgrad_out.default, (grad_out, x, bounds), out, shape,
+                 out_dtype, x, num_groups)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-// CUDA kernels of the grouped GEMM ops: checks, output and workspace, architecture dispatch.
+// CUDA backend of the grouped GEMM ops: the Hopper kernels' own checks, the workspace, and the
+// architecture and tactic dispatch. Argument checks and outputs are in grouped_gemm_ops.h.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -6,7 +7,7 @@
 
 #include "cuda/common/arch.h"
 #include "cuda/grouped_gemm/grouped_gemm_tactics.h"
-#include "grouped_gemm_checks.h"
+#include "grouped_gemm_ops.h"
 
 namespace cake {
 namespace {
@@ -72,78 +73,26 @@ void launch(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::T
   switch (arch) {
     case KernelArch::kSm90: {
       const TacticFamily family = tactic_family(kind, out.scalar_type());
-      tactics_sm90(family)[choose_tactic_sm90(family, s)].launch(p, stream);
+      const Tactic& tactic = tactics_sm90(family)[choose_tactic_sm90(family, s)];
+      p.raster_along_n = tactic.raster_along_n;
+      p.swizzle = tactic.swizzle;
+      tactic.launch(p, stream);
       return;
     }
   }
 }
 
-at::Tensor new_workspace(const GroupedGemmShape& s, const at::Tensor& like) {
-  return at::empty({grouped_gemm_workspace_bytes(s.num_groups)}, like.options().dtype(at::kByte));
-}
-
-at::Tensor fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
-  const char* op = "cake::grouped_gemm_fwd";
-  auto s = check_fwd(x, w, offs, op);
-  auto out = at::empty({s.sum_m, s.n}, x.options());
-  auto workspace = new_workspace(s, x);
-  launch(Op::kFwd, s, x, w, offs, out, workspace, op);
-  return out;
-}
-
-at::Tensor dgrad(const at::Tensor& grad_out, const at::Tensor& w, const at::Tensor& offs) {
-  const char* op = "cake::grouped_gemm_dgrad";
-  auto s = check_dgrad(grad_out, w, offs, op);
-  auto out = at::empty({s.sum_m, s.k}, grad_out.options());
-  auto workspace = new_workspace(s, grad_out);
-  launch(Op::kDgrad, s, grad_out, w, offs, out, workspace, op);
-  return out;
-}
-
-at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& offs,
-                 int64_t num_groups, at::ScalarType out_dtype) {
-  const char* op = "cake::grouped_gemm_wgrad";
-  auto s = check_wgrad(grad_out, x, offs, num_groups, out_dtype, op);
-  auto out = at::empty({s.num_groups, s.n, s.k}, x.options().dtype(out_dtype));
-  auto workspace = new_workspace(s, x);
-  launch(Op::kWgrad, s, grad_out, x, offs, out, workspace, op);
-  return out;
-}
-
-void fwd_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor out,
-             at::Tensor workspace) {
-  const char* op = "cake::grouped_gemm_fwd_out";
-  auto s = check_fwd(x, w, offs, op);
-  check_out(out, {s.sum_m, s.n}, x.scalar_type(), x, op);
-  launch(Op::kFwd, s, x, w, offs, out, workspace, op);
-}
-
-void dgrad_out(const at::Tensor& grad_out, const at::Tensor& w, const at::Tensor& offs,
-               at::Tensor out, at::Tensor workspace) {
-  const char* op = "cake::grouped_gemm_dgrad_out";
-  auto s = check_dgrad(grad_out, w, offs, op);
-  check_out(out, {s.sum_m, s.k}, grad_out.scalar_type(), grad_out, op);
-  launch(Op::kDgrad, s, grad_out, w, offs, out, workspace, op);
-}
-
-void wgrad_out(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& offs,
-               at::Tensor out, at::Tensor workspace) {
-  const char* op = "cake::grouped_gemm_wgrad_out";
-  TORCH_CHECK(out.dim() == 3, op, ": out must be a 3-D [E, N, K] tensor, got shape ", out.sizes());
-  auto s = check_wgrad(grad_out, x, offs, out.size(0), out.scalar_type(), op);
-  check_out(out, {s.num_groups, s.n, s.k}, out.scalar_type(), x, op);
-  launch(Op::kWgrad, s, grad_out, x, offs, out, workspace, op);
-}
+struct CudaBackend {
+  static at::Tensor workspace(const GroupedGemmShape& s, const at::Tensor& like) {
+    return at::empty({grouped_gemm_workspace_bytes(s.num_groups)}, like.options().dtype(at::kByte));
+  }
+  static constexpr auto run = &launch;
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {
-  m.impl("grouped_gemm_fwd", &fwd);
-  m.impl("grouped_gemm_dgrad", &dgrad);
-  m.impl("grouped_gemm_wgrad", &wgrad);
-  m.impl("grouped_gemm_fwd_out", &fwd_out);
-  m.impl("grouped_gemm_dgrad_out", &dgrad_out);
-  m.impl("grouped_gemm_wgrad_out", &wgrad_out);
+  GroupedGemmOps<CudaBackend>::register_kernels(m);
 }
 
 }  // namespace cake

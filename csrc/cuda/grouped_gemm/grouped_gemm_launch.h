@@ -26,6 +26,10 @@ struct GroupedGemmParams {
   int64_t workspace_bytes = 0;
   int device = 0;
   int sm_count = 0;
+  // Tile order of the persistent scheduler: along M first (default; consecutive tiles share a
+  // weight tile) or along N, in swizzled blocks of `swizzle` tiles (1, 2, 4 or 8).
+  bool raster_along_n = false;
+  int swizzle = 1;
 };
 
 using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);

@@ -237,6 +237,9 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   args.epilogue.ptr_D = arr.ptr_d;
   args.epilogue.dD = arr.stride_d;
   args.hw_info = hw_info;
+  using RasterOrder = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order = p.raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
+  args.scheduler.max_swizzle_size = p.swizzle;
 
   char* cutlass_workspace = ws.take<char>(0);
   const size_t need = Gemm::get_workspace_size(args);

@@ -5,11 +5,24 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace cake {
 namespace {
 
 std::array<std::atomic<int>, static_cast<int>(TacticFamily::kCount)> g_override{-1, -1, -1, -1};
+
+using BucketKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;  // family, E, rows, N, K
+std::mutex g_tuned_mutex;
+std::map<BucketKey, int> g_tuned;
+
+BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s) {
+  int64_t rows = 1;
+  while (rows < s.sum_m) rows *= 2;
+  return {static_cast<int>(family), s.num_groups, rows, s.n, s.k};
+}
 
 std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
   std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> tables;
@@ -19,7 +32,13 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
                           : std::strncmp(name, "dgrad_", 6) == 0 ? TacticFamily::kDgradBf16
                           : std::strncmp(name, "wgrad_f32", 9) == 0 ? TacticFamily::kWgradF32
                                                                     : TacticFamily::kWgradBf16;
-    tables[static_cast<int>(family)].push_back({name, fn});
+    // Each configuration with the default tile order first (what the heuristic names), then
+    // along N, and both with 4-tile swizzles: the autotuner's extra choices.
+    auto& table = tables[static_cast<int>(family)];
+    table.push_back({name, fn, false, 1});
+    table.push_back({std::string(name) + "_rasterN", fn, true, 1});
+    table.push_back({std::string(name) + "_swz4", fn, false, 4});
+    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4});
   };
 #define CAKE_GG_CONFIG(name, ...) add(#name, &sm90::grouped_gemm_##name);
 #include "cuda/grouped_gemm/configs_sm90.inc"
@@ -27,6 +46,7 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
   return tables;
 }
 
+// The first tactic whose name contains `name`: a configuration's default tile order.
 int find(TacticFamily family, const char* name) {
   const auto& table = tactics_sm90(family);
   for (size_t i = 0; i < table.size(); ++i) {
@@ -66,6 +86,13 @@ const std::vector<Tactic>& tactics_sm90(TacticFamily family) {
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
   const int forced = g_override[static_cast<int>(family)].load(std::memory_order_relaxed);
   if (forced >= 0) return forced;
+  {
+    std::lock_guard<std::mutex> lock(g_tuned_mutex);
+    if (!g_tuned.empty()) {
+      auto it = g_tuned.find(bucket_key(family, s));
+      if (it != g_tuned.end()) return it->second;
+    }
+  }
   // Heuristic v1, from the H200 sweep of every configuration on the benchmark shapes
   // (benchmarks/NOTES.md, results/grouped_gemm_h200_sweep.json): 128x256 cooperative tiles won
   // 19 of 24 fwd, 20 of 24 dgrad and 23 of 24 wgrad shapes; decode-sized groups (a few rows per
@@ -74,11 +101,24 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
   switch (family) {
     case TacticFamily::kFwdBf16:
     case TacticFamily::kDgradBf16:
-      if (rows_per_group <= 32) return find(family, "ping_64x256");
-      return find(family, "coop_128x256");
+      if (rows_per_group <= 32) return find(family, "ping_64x256x64_c1x1");
+      return find(family, "coop_128x256x64_c2x1");
     default:
-      return find(family, "coop_128x256");
+      return find(family, "coop_128x256x64_c2x1");
   }
+}
+
+void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic) {
+  const int count = static_cast<int>(tactics_sm90(family).size());
+  TORCH_CHECK(tactic >= 0 && tactic < count, "set_grouped_gemm_tuned_tactic: tactic must be in [0, ",
+              count, "), got ", tactic);
+  std::lock_guard<std::mutex> lock(g_tuned_mutex);
+  g_tuned[bucket_key(family, s)] = tactic;
+}
+
+void clear_tuned_tactics() {
+  std::lock_guard<std::mutex> lock(g_tuned_mutex);
+  g_tuned.clear();
 }
 
 void set_tactic_override(TacticFamily family, int tactic) {

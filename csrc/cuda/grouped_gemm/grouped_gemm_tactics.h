@@ -11,22 +11,28 @@
 
 namespace cake {
 
-enum class GroupedGemmOp { kFwd, kDgrad, kWgrad };
-
 // Configurations are grouped by what they compute: op and output dtype.
 enum class TacticFamily { kFwdBf16, kDgradBf16, kWgradBf16, kWgradF32, kCount };
 
+// A kernel configuration and the scheduler's tile order (a run-time choice, no extra kernel).
 struct Tactic {
   std::string name;
   GroupedGemmLaunchFn launch;
+  bool raster_along_n = false;
+  int swizzle = 1;
 };
 
 TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType out_dtype);
 // "fwd", "dgrad", "wgrad", "wgrad_f32" -> family; throws on anything else.
 TacticFamily tactic_family(const std::string& name);
 const std::vector<Tactic>& tactics_sm90(TacticFamily family);
-// The forced tactic of the family (set_tactic_override), else the shape heuristic's.
+// The forced tactic of the family (set_tactic_override), else the autotuned tactic of the shape
+// bucket (set_tuned_tactic), else the shape heuristic's.
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s);
+// Record the tactic the autotuner measured fastest for problems of this bucket: the same E, N
+// and K and sum_m rounded up to a power of two.
+void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic);
+void clear_tuned_tactics();
 // Force a tactic for every later launch of the family (-1: back to the heuristic). For
 // benchmarks and the autotuner; a CUDA graph keeps the tactic it captured.
 void set_tactic_override(TacticFamily family, int tactic);

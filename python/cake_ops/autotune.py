@@ -1,0 +1,135 @@
+"""Tactic autotuning: measure every kernel configuration once per shape bucket, keep the fastest.
+
+    with cake_ops.autotune(cache_file="tuning.json"):
+        model(x)            # first calls on new shapes profile every tactic
+    model(x)                # later calls (also compiled graphs and CUDA graphs) use the winners
+
+A bucket is (op family, E, N, K, sum_m rounded up to a power of two). Inside the context the
+first call of a tunable op on a new bucket times each tactic (CUDA events, median of a few
+runs; this synchronises, so tune before capturing graphs) and records the winner in the
+extension; calls outside the context use the recorded winners, else the heuristic. Nothing is
+tuned while torch.compile traces or a CUDA graph is being captured. ``cache_file`` is read when
+the context opens and written when it closes, so a later process can start tuned
+(:func:`load_tuning`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+from typing import Callable, Optional
+
+import torch
+
+from . import _C
+
+_enabled = False
+_tuned: dict = {}  # "family|E|rows|N|K" -> tactic name
+
+
+def _bucket_rows(sum_m: int) -> int:
+    rows = 1
+    while rows < sum_m:
+        rows *= 2
+    return rows
+
+
+def _key(family: str, num_groups: int, sum_m: int, n: int, k: int) -> str:
+    return f"{family}|{num_groups}|{_bucket_rows(sum_m)}|{n}|{k}"
+
+
+def _has_tactics() -> bool:
+    return hasattr(_C, "grouped_gemm_tactics")
+
+
+def _record(key: str, name: str) -> bool:
+    family, num_groups, rows, n, k = key.split("|")
+    names = _C.grouped_gemm_tactics(family)
+    if name not in names:
+        return False  # a configuration this build no longer has
+    _C.set_grouped_gemm_tuned_tactic(family, int(num_groups), int(rows), int(n), int(k), names.index(name))
+    _tuned[key] = name
+    return True
+
+
+def _time_ms(run: Callable[[], object], reps: int = 5, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def tuning_active() -> bool:
+    """True inside :func:`autotune` (never while torch.compile traces)."""
+    return not torch.compiler.is_compiling() and _enabled
+
+
+def tune_grouped_gemm(family: str, dims: Callable[[], tuple], run: Callable[[], object],
+                      device: torch.device) -> Optional[str]:
+    """Profile ``run`` under every tactic of ``family`` for a new bucket; dims() = (E, sum_m, N, K)."""
+    if not tuning_active() or device.type != "cuda" or not _has_tactics():
+        return None
+    if torch.cuda.is_current_stream_capturing() or torch._C._get_dispatch_mode(
+            torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return None  # no profiling inside a graph capture or a fake-tensor trace
+    try:
+        key = _key(family, *dims())
+    except (IndexError, TypeError):
+        return None  # malformed arguments: the op itself raises the clear error
+    if key in _tuned:
+        return _tuned[key]
+    names = _C.grouped_gemm_tactics(family)
+    times = {}
+    try:
+        for i, name in enumerate(names):
+            _C.set_grouped_gemm_tactic(family, i)
+            times[name] = _time_ms(run)
+    finally:
+        _C.set_grouped_gemm_tactic(family, -1)
+    best = min(times, key=times.get)
+    _record(key, best)
+    return best
+
+
+def load_tuning(path: str) -> int:
+    """Load tuned choices written by :func:`autotune`; returns how many this build could use."""
+    with open(path) as f:
+        entries = json.load(f).get("grouped_gemm", {})
+    return sum(_record(key, name) for key, name in entries.items()) if _has_tactics() else 0
+
+
+def save_tuning(path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"version": 1, "grouped_gemm": dict(sorted(_tuned.items()))}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def clear_tuning() -> None:
+    """Forget every tuned choice (the heuristic decides again)."""
+    _tuned.clear()
+    if _has_tactics():
+        _C.clear_grouped_gemm_tuned_tactics()
+
+
+@contextlib.contextmanager
+def autotune(enabled: bool = True, cache_file: Optional[str] = None):
+    """Profile tactics for new shape buckets while the context is open (see the module doc)."""
+    global _enabled
+    if cache_file and os.path.exists(cache_file):
+        load_tuning(cache_file)
+    previous, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = previous
+        if cache_file and enabled:
+            save_tuning(cache_file)

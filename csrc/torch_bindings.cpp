@@ -31,6 +31,19 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "grouped_gemm_wgrad_out(Tensor grad_out, Tensor x, Tensor offs, Tensor(a!) out, "
       "Tensor(b!) workspace) -> ()");
+
+  // MoE token sort. token_selected_experts [T, top_k] int32 global expert ids; this shard holds
+  // experts [local_expert_offset, local_expert_offset + num_local_experts). Routes to other
+  // experts (or to ids outside [0, num_experts)) are dropped: they contribute zero. Returns
+  //   expert_counts [E_local], expert_offsets [E_local + 1] (m_indptr of the permuted rows),
+  //   permuted_to_expanded [T * top_k] (expanded index t * top_k + j of each permuted row; -1 past
+  //   the last), expanded_to_permuted [T * top_k] (-1 for dropped routes), expert_tile_offsets
+  //   [E_local + 1] (cumulative ceil(count / tile_size)). Within an expert, rows keep expanded
+  //   order, so the permutation is deterministic. All sizes depend on T, top_k and E_local only.
+  m.def(
+      "moe_sort(Tensor token_selected_experts, int num_experts, int num_local_experts, "
+      "int local_expert_offset, int tile_size) -> (Tensor expert_counts, Tensor expert_offsets, "
+      "Tensor permuted_to_expanded, Tensor expanded_to_permuted, Tensor expert_tile_offsets)");
 }
 
 namespace {

@@ -27,4 +27,8 @@ TORCH_LIBRARY_IMPL(cake, CUDA, m) {
                                       at::Tensor) { not_built("cake::grouped_gemm_dgrad_out"); });
   m.impl("grouped_gemm_wgrad_out", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor,
                                       at::Tensor) { not_built("cake::grouped_gemm_wgrad_out"); });
+  m.impl("moe_sort", [](const at::Tensor&, int64_t, int64_t, int64_t, int64_t)
+                         -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+    not_built("cake::moe_sort");
+  });
 }

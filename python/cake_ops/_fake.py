@@ -118,3 +118,19 @@ def _grouped_gemm_wgrad_out_fake(grad_out, x, offs, out, workspace):
     _check_dims(out, 3, "out", "[E, N, K]", op)
     shape = check_wgrad(grad_out, x, offs, out.shape[0], out.dtype, op)
     check_out(out, shape, out.dtype, x, op)
+
+
+@register_fake("cake::moe_sort")
+def _moe_sort_fake(token_selected_experts, num_experts, num_local_experts, local_expert_offset, tile_size):
+    op = "cake::moe_sort"
+    ids = token_selected_experts
+    _check(ids.dim() == 2, f"{op}: token_selected_experts must be a 2-D [num_tokens, top_k] tensor, got shape {list(ids.shape)}")
+    _check(ids.dtype == torch.int32, f"{op}: token_selected_experts must be int32, got {ids.dtype}")
+    _check(0 < num_local_experts <= num_experts,
+           f"{op}: num_local_experts must be in [1, num_experts={num_experts}], got {num_local_experts}")
+    _check(0 <= local_expert_offset and local_expert_offset + num_local_experts <= num_experts,
+           f"{op}: the shard must lie within [0, num_experts={num_experts})")
+    _check(tile_size > 0, f"{op}: tile_size must be positive, got {tile_size}")
+    routes = ids.shape[0] * ids.shape[1]
+    return (ids.new_empty(num_local_experts), ids.new_empty(num_local_experts + 1), ids.new_empty(routes),
+            ids.new_empty(routes), ids.new_empty(num_local_experts + 1))

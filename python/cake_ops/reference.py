@@ -32,3 +32,30 @@ def grouped_gemm_wgrad(grad_out, x, offs, num_groups):
     for e in range(num_groups):
         dw[e] = grad_out[b[e]:b[e + 1]].double().T @ x[b[e]:b[e + 1]].double()
     return dw
+
+
+def moe_forward(x, token_selected_experts, token_final_scales, w1_gate_up, w2, num_local_experts=None,
+                local_expert_offset=0, limit=None):
+    """float32 MoE: out[t] = sum_j scale[t, j] * ffn(x[t]; e[t, j]) over the routes whose expert is
+    in this shard, with ffn(x; e) = act(x @ w1_gate[e].T, x @ w1_up[e].T) @ w2[e].T. w1_gate_up is
+    gate-first [E_local, 2I, H]; act is SwiGLU silu(g) * u, or with ``limit`` (per expert, [E_local])
+    SwiGLUStep min(silu(g), L) * clamp(u, -L, L)."""
+    e_local = w1_gate_up.shape[0] if num_local_experts is None else num_local_experts
+    inter = w1_gate_up.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = token_selected_experts.long() - local_expert_offset
+    for e in range(e_local):
+        tokens, slots = (local == e).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        h = x[tokens].float() @ w1_gate_up[e].float().T
+        gate, up = h[:, :inter], h[:, inter:]
+        act = torch.nn.functional.silu(gate)
+        if limit is not None:
+            lim = float(limit[e])
+            act = act.clamp(max=lim) * up.clamp(-lim, lim)
+        else:
+            act = act * up
+        y = act @ w2[e].float().T
+        out.index_add_(0, tokens, y * token_final_scales[tokens, slots].float()[:, None])
+    return out

@@ -44,6 +44,18 @@ TORCH_LIBRARY(cake, m) {
       "moe_sort(Tensor token_selected_experts, int num_experts, int num_local_experts, "
       "int local_expert_offset, int tile_size) -> (Tensor expert_counts, Tensor expert_offsets, "
       "Tensor permuted_to_expanded, Tensor expanded_to_permuted, Tensor expert_tile_offsets)");
+  // GEMM1 of the MoE with SwiGLU: x [T, H], w1 [E_local, 2I, H] up/gate interleaved at 32 rows
+  // (interleave_up_gate_sm90), the moe_sort permutation -> [T * top_k, I] in x's dtype, permuted
+  // row p = silu(gate) * up of x[permuted_to_expanded[p] / top_k] @ w1[e].T; rows past the last
+  // expert's end are zeros.
+  m.def(
+      "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
+      "int top_k) -> Tensor");
+  // Weighted combine into token order: out[t] = sum_j scales[t, j] * permuted_rows[p(t, j)] over
+  // the kept routes (expanded_to_permuted >= 0), fp32 in route order, one rounding: [T, H].
+  m.def(
+      "moe_finalize(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales) "
+      "-> Tensor");
 }
 
 namespace {

@@ -31,4 +31,9 @@ TORCH_LIBRARY_IMPL(cake, CUDA, m) {
                          -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     not_built("cake::moe_sort");
   });
+  m.impl("moe_gemm1_swiglu", [](const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                int64_t) -> at::Tensor { not_built("cake::moe_gemm1_swiglu"); });
+  m.impl("moe_finalize", [](const at::Tensor&, const at::Tensor&, const at::Tensor&) -> at::Tensor {
+    not_built("cake::moe_finalize");
+  });
 }

@@ -134,3 +134,23 @@ def _moe_sort_fake(token_selected_experts, num_experts, num_local_experts, local
     routes = ids.shape[0] * ids.shape[1]
     return (ids.new_empty(num_local_experts), ids.new_empty(num_local_experts + 1), ids.new_empty(routes),
             ids.new_empty(routes), ids.new_empty(num_local_experts + 1))
+
+
+@register_fake("cake::moe_gemm1_swiglu")
+def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k):
+    op = "cake::moe_gemm1_swiglu"
+    _check(x.dim() == 2 and w1.dim() == 3, f"{op}: x must be [num_tokens, hidden] and w1 [E_local, 2I, hidden]")
+    _check(w1.shape[2] == x.shape[1] and w1.shape[1] % 64 == 0,
+           f"{op}: w1 must be [E_local, 2I, hidden={x.shape[1]}] with I % 32 == 0, got shape {list(w1.shape)}")
+    _check(permuted_to_expanded.shape == (x.shape[0] * top_k,),
+           f"{op}: permuted_to_expanded must be int32 [num_tokens * top_k] = [{x.shape[0] * top_k}]")
+    return x.new_empty((x.shape[0] * top_k, w1.shape[1] // 2))
+
+
+@register_fake("cake::moe_finalize")
+def _moe_finalize_fake(permuted_rows, expanded_to_permuted, token_final_scales):
+    op = "cake::moe_finalize"
+    _check(permuted_rows.dim() == 2 and token_final_scales.dim() == 2,
+           f"{op}: permuted_rows must be [rows, hidden] and token_final_scales [num_tokens, top_k]")
+    _check(token_final_scales.dtype == torch.float32, f"{op}: token_final_scales must be float32")
+    return permuted_rows.new_empty((token_final_scales.shape[0], permuted_rows.shape[1]))

@@ -1,7 +1,9 @@
 """Fused bf16 MoE forward for Hopper (``../shared/spec/fused_moe_bf16_sm90.txt``).
 
-Work in progress (issue 4): the routing sort (``torch.ops.cake.moe_sort``, CPU so far) and the
-weight layout helper are here; ``fused_moe_bf16`` itself comes with its kernels.
+Work in progress (issue 4). The pipeline's ops exist with their semantics, on the CPU and (unfused,
+through ATen kernels and the SM90 grouped GEMM) on the GPU: ``torch.ops.cake.moe_sort`` ->
+``moe_gemm1_swiglu`` -> ``grouped_gemm_fwd`` -> ``moe_finalize``; ``fused_moe_bf16`` comes with the
+fused SM90 kernels that replace them.
 """
 import torch
 

@@ -39,6 +39,11 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
   TORCH_CHECK(x.dim() == 2, op, ": x must be a 2-D [num_tokens, hidden] tensor, got shape ", x.sizes());
   TORCH_CHECK(w1.dim() == 3 && w1.size(2) == x.size(1) && w1.size(1) % 64 == 0, op,
               ": w1 must be [E_local, 2I, hidden=", x.size(1), "] with I % 32 == 0, got shape ", w1.sizes());
+  TORCH_CHECK(w1.scalar_type() == x.scalar_type(), op, ": x and w1 must have the same dtype, got ",
+              x.scalar_type(), " and ", w1.scalar_type());
+  TORCH_CHECK(w1.device() == x.device() && permuted_to_expanded.device() == x.device() &&
+                  expert_offsets.device() == x.device(),
+              op, ": all tensors must be on x's device ", x.device());
   TORCH_CHECK(top_k > 0, op, ": top_k must be positive, got ", top_k);
   TORCH_CHECK(permuted_to_expanded.dim() == 1 && permuted_to_expanded.size(0) == x.size(0) * top_k &&
                   permuted_to_expanded.scalar_type() == at::kInt,
@@ -72,6 +77,9 @@ at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expan
                   expanded_to_permuted.scalar_type() == at::kInt,
               op, ": expanded_to_permuted must be int32 [num_tokens * top_k] = [", tokens * top_k, "], got ",
               expanded_to_permuted.scalar_type(), " ", expanded_to_permuted.sizes());
+  TORCH_CHECK(expanded_to_permuted.device() == permuted_rows.device() &&
+                  token_final_scales.device() == permuted_rows.device(),
+              op, ": all tensors must be on permuted_rows' device ", permuted_rows.device());
   const int64_t hidden = permuted_rows.size(1);
   const auto rows = permuted_rows.index_select(0, expanded_to_permuted.clamp_min(0).to(at::kLong))
                         .to(at::kFloat)

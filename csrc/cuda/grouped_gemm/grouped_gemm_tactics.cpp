@@ -55,6 +55,27 @@ int find(TacticFamily family, const char* name) {
   TORCH_CHECK(false, "cake grouped GEMM: no tactic named like ", name, " (internal error)");
 }
 
+// The heuristic's two configurations of a family, looked up by name once (not per launch).
+struct HeuristicChoices {
+  int small_groups;  // a few rows per expert: weight-bandwidth bound
+  int large_groups;
+};
+
+const HeuristicChoices& heuristic_choices(TacticFamily family) {
+  constexpr int kFamilies = static_cast<int>(TacticFamily::kCount);
+  static const auto choices = [] {
+    std::array<HeuristicChoices, kFamilies> c{};
+    for (int f = 0; f < kFamilies; ++f) {
+      const auto fam = static_cast<TacticFamily>(f);
+      const int large = find(fam, "coop_128x256x64_c2x1");
+      const bool has_pingpong = fam == TacticFamily::kFwdBf16 || fam == TacticFamily::kDgradBf16;
+      c[f] = {has_pingpong ? find(fam, "ping_64x256x64_c1x1") : large, large};
+    }
+    return c;
+  }();
+  return choices[static_cast<int>(family)];
+}
+
 }  // namespace
 
 TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType out_dtype) {
@@ -96,16 +117,11 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
   // Heuristic v1, from the H200 sweep of every configuration on the benchmark shapes
   // (benchmarks/NOTES.md, results/grouped_gemm_h200_sweep.json): 128x256 cooperative tiles won
   // 19 of 24 fwd, 20 of 24 dgrad and 23 of 24 wgrad shapes; decode-sized groups (a few rows per
-  // expert) are weight-bandwidth bound and stream best with 64x256 pingpong tiles.
+  // expert) are weight-bandwidth bound and stream best with 64x256 pingpong tiles (fwd, dgrad;
+  // wgrad has no pingpong configuration and uses 128x256 throughout).
   const int64_t rows_per_group = s.num_groups > 0 ? s.sum_m / s.num_groups : s.sum_m;
-  switch (family) {
-    case TacticFamily::kFwdBf16:
-    case TacticFamily::kDgradBf16:
-      if (rows_per_group <= 32) return find(family, "ping_64x256x64_c1x1");
-      return find(family, "coop_128x256x64_c2x1");
-    default:
-      return find(family, "coop_128x256x64_c2x1");
-  }
+  const HeuristicChoices& c = heuristic_choices(family);
+  return rows_per_group <= 32 ? c.small_groups : c.large_groups;
 }
 
 void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic) {

@@ -50,37 +50,55 @@ def group_sizes(e, sum_m, dist):
 
 
 class Timer:
+    """Median times of several callables measured in rotation (rep 1 of each, then rep 2 of
+    each, ...), so clock and temperature drift over a long run biases none of them."""
+
     def __init__(self, device, reps, warmup):
         self.device, self.reps, self.warmup = device, reps, warmup
         self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device == "cuda" else None
 
-    def __call__(self, fn, setup=None, graph=False):
-        for _ in range(self.warmup):
-            if setup:
-                setup()
-            fn()
-        if graph:  # time replays of a CUDA graph of fn: no launch overhead in small problems
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            fn = g.replay
-        times = []
+    def __call__(self, fn, setup=None, graph=False, calls=1):
+        return self.many({"fn": (fn, setup)}, graph, calls)["fn"]
+
+    def many(self, fns, graph=False, calls=1):
+        """{name: (fn, setup)} -> {name: median ms per call}; a callable that raises
+        RuntimeError or TypeError gets the message instead. graph: time replays of a CUDA graph
+        of `calls` back-to-back calls (no launch overhead, as inside a model's decode graph)."""
+        runs, out = {}, {}
+        for name, (fn, setup) in fns.items():
+            try:
+                for _ in range(self.warmup):
+                    if setup:
+                        setup()
+                    fn()
+                if graph:
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        for _ in range(calls):
+                            fn()
+                    fn = g.replay
+                runs[name] = (fn, setup)
+            except (RuntimeError, TypeError) as exc:  # a peer that cannot run this case
+                out[name] = str(exc).split("\n")[0][:120]
+        times = {name: [] for name in runs}
         for _ in range(self.reps):
-            if setup:
-                setup()
-            if self.device == "cuda":
-                self.flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+            for name, (fn, setup) in runs.items():
+                if setup:
+                    setup()
+                if self.device == "cuda":
+                    self.flush.zero_()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    times[name].append(start.elapsed_time(end) / (calls if graph else 1))
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        out.update({name: statistics.median(t) for name, t in times.items()})
+        return out
 
 
 def torch_grouped_mm(*args, **kwargs):
@@ -129,6 +147,7 @@ def run(args):
     names = args.shapes.split(",") if args.shapes else list(shapes)
     ops = args.ops.split(",")
     timer = Timer(device, args.reps, args.warmup)
+    l2_bytes = torch.cuda.get_device_properties().L2_cache_size if device == "cuda" else 0
     rows = []
     for name in names:
         e, sum_m, n, k, dist = {**SHAPES, **CPU_SHAPES}[name]
@@ -144,17 +163,27 @@ def run(args):
             row = {"shape": name, "op": op, "E": e, "sum_m": sum_m, "N": n, "K": k, "dist": dist}
             op_flops = flops * (3 if op == "fwdbwd" else 1)
             graph = device == "cuda" and sum_m <= GRAPH_MAX_ROWS and op != "fwdbwd"
-            row["timing"] = "graph" if graph else "eager"
+            # Back-to-back calls in one graph amortise the graph launch, unless the weights fit
+            # in L2 (then later calls would read them from cache).
+            calls = 10 if graph and weight_bytes > 2 * l2_bytes else 1
+            row["timing"] = f"graph x{calls}" if graph else "eager"
             peers = cases(op, x, w, g, offs, sizes)
             if (args.sweep or args.sweep_all) and device == "cuda" and op != "fwdbwd":
-                sweep(row, op, peers["cake"][0], timer, graph, args.sweep_all)
-            for peer, (fn, setup) in peers.items():
-                if peer == "loop_mm" and (not args.loop or graph):
-                    continue
-                try:
-                    ms = timer(fn, setup, graph)
-                except (RuntimeError, TypeError) as exc:  # a peer that cannot run this case
-                    row[f"{peer}_error"] = str(exc).split("\n")[0][:120]
+                sweep(row, op, peers["cake"][0], timer, graph, calls, args.sweep_all, sum_m // e)
+            if args.autotune and device == "cuda":  # tune this bucket; the timings below use it
+                fn, setup = peers["cake"]
+                if setup:
+                    setup()
+                with cake_ops.autotune():
+                    fn()
+            if device == "cuda" and op != "fwdbwd":
+                index = cake_ops._C.grouped_gemm_tactic_for(op, e, sum_m, n, k)  # op = family
+                row["cake_tactic"] = cake_ops._C.grouped_gemm_tactics(op)[index]
+            if not (args.loop and not graph):
+                peers.pop("loop_mm", None)
+            for peer, ms in timer.many(peers, graph, calls).items():
+                if isinstance(ms, str):
+                    row[f"{peer}_error"] = ms
                     continue
                 row[f"{peer}_ms"] = ms
                 row[f"{peer}_tflops"] = op_flops / ms / 1e9
@@ -170,24 +199,30 @@ def run(args):
     return device, rows
 
 
-def sweep(row, op, fn, timer, graph, every_order):
+def sweep(row, op, fn, timer, graph, calls, every_order, rows_per_group):
     """Time the kernel configurations of the op's family (each in its default tile order, or in
-    every tile order with every_order); record each and the fastest."""
+    every tile order with every_order), in rotation; record each and the fastest. Swap-AB
+    configurations (for a few rows per group) are left out where groups are large."""
     family = op
-    names = cake_ops._C.grouped_gemm_tactics(family)
-    best = None
-    try:
-        for i, name in enumerate(names):
-            if not every_order and ("_raster" in name or "_swz" in name):
-                continue
-            cake_ops._C.set_grouped_gemm_tactic(family, i)
-            ms = timer(fn, None, graph)
-            row[f"tactic_{name}_ms"] = ms
-            if best is None or ms < best[1]:
-                best = (name, ms)
-    finally:
-        cake_ops._C.set_grouped_gemm_tactic(family, -1)
-    row["best_tactic"], row["best_tactic_ms"] = best
+    tactics = {}
+    for i, name in enumerate(cake_ops._C.grouped_gemm_tactics(family)):
+        if not every_order and ("_raster" in name or "_swz" in name):
+            continue
+        if "swapab" in name and rows_per_group > 128:
+            continue
+
+        def run(i=i):
+            cake_ops._C.set_grouped_gemm_tactic(family, i)  # chosen at launch (and at capture)
+            try:
+                return fn()
+            finally:
+                cake_ops._C.set_grouped_gemm_tactic(family, -1)
+        tactics[name] = (run, None)
+    times = {k: v for k, v in timer.many(tactics, graph, calls).items() if not isinstance(v, str)}
+    for name, ms in times.items():
+        row[f"tactic_{name}_ms"] = ms
+    row["best_tactic"] = min(times, key=times.get)
+    row["best_tactic_ms"] = times[row["best_tactic"]]
 
 
 def fmt(v, spec):
@@ -196,14 +231,14 @@ def fmt(v, spec):
 
 
 HEADER = (f"{'shape':34} {'op':9} {'cake ms':>9} {'cake TF/s':>9} {'gmm TF/s':>9} {'x gmm':>7} "
-          f"{'dense TF/s':>10} {'x dense':>7} {'W TB/s':>7}  best tactic (sweep)")
+          f"{'dense TF/s':>10} {'x dense':>7} {'W TB/s':>7}  cake tactic, best tactic (sweep)")
 
 
 def print_row(r):
     print(f"{r['shape']:34} {r['op']:9} {fmt(r.get('cake_ms'), '9.3f')} {fmt(r.get('cake_tflops'), '9.1f')} "
           f"{fmt(r.get('torch_gmm_tflops'), '9.1f')} {fmt(r.get('cake_vs_torch_gmm'), '7.3f')} "
           f"{fmt(r.get('dense_mm_tflops'), '10.1f')} {fmt(r.get('cake_vs_dense_mm'), '7.3f')} "
-          f"{fmt(r.get('cake_weight_tbps'), '7.2f')}  {r.get('best_tactic', '')} "
+          f"{fmt(r.get('cake_weight_tbps'), '7.2f')}  {r.get('cake_tactic', '')} {r.get('best_tactic', '')} "
           f"{fmt(r.get('best_tactic_ms'), '6.3f') if 'best_tactic' in r else ''}", flush=True)
 
 
@@ -218,7 +253,7 @@ HBM_TBPS = 4.8  # H200 datasheet read bandwidth: the floor for weight-bound (dec
 def summary(rows, ops):
     out = {"decode": []}
     for r in rows:
-        if r.get("timing") == "graph" and "cake_weight_tbps" in r:
+        if r.get("timing", "").startswith("graph") and "cake_weight_tbps" in r:
             entry = {"shape": r["shape"], "op": r["op"], "cake_tbps": r["cake_weight_tbps"],
                      "torch_gmm_tbps": r.get("torch_gmm_weight_tbps"),
                      "fraction_of_hbm": r["cake_weight_tbps"] / HBM_TBPS}
@@ -266,6 +301,8 @@ def main():
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     p.add_argument("--sweep", action="store_true", help="also time every kernel configuration (GPU)")
     p.add_argument("--sweep-all", action="store_true", help="... in every scheduler tile order too")
+    p.add_argument("--autotune", action="store_true",
+                   help="time cake with the tactic cake_ops.autotune() picks per shape (GPU)")
     p.add_argument("--json", default="", help="write the rows here")
     p.add_argument("--plot", default="", help="write a PNG plot here")
     args = p.parse_args()
@@ -277,7 +314,7 @@ def main():
         "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
                  "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                  "torch": torch.__version__, "cuda": torch.version.cuda, "cake_ops": cake_ops.build_info(),
-                 "reps": args.reps},
+                 "reps": args.reps, "autotune": args.autotune},
         "summary": summary(rows, ops),
         "rows": rows,
     }

@@ -53,18 +53,30 @@ def _record(key: str, name: str) -> bool:
     return True
 
 
-def _time_ms(run: Callable[[], object], reps: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
+def _time_tactics(family: str, candidates: dict, run: Callable[[], object], reps: int = 5,
+                  warmup: int = 2) -> dict:
+    """Median ms of ``run`` under each tactic ({name: index}), measured in rotation (rep 1 of
+    every tactic, then rep 2, ...) so that clock drift during tuning favours none of them."""
+    def under(i):
+        _C.set_grouped_gemm_tactic(family, i)
         run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+    times = {name: [] for name in candidates}
+    try:
+        for i in candidates.values():
+            for _ in range(warmup):
+                under(i)
+        for _ in range(reps):
+            for name, i in candidates.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                under(i)
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end))
+    finally:
+        _C.set_grouped_gemm_tactic(family, -1)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def tuning_active() -> bool:
@@ -81,19 +93,17 @@ def tune_grouped_gemm(family: str, dims: Callable[[], tuple], run: Callable[[], 
             torch._C._TorchDispatchModeKey.FAKE) is not None:
         return None  # no profiling inside a graph capture or a fake-tensor trace
     try:
+        num_groups, sum_m = dims()[:2]
         key = _key(family, *dims())
     except (IndexError, TypeError):
         return None  # malformed arguments: the op itself raises the clear error
     if key in _tuned:
         return _tuned[key]
-    names = _C.grouped_gemm_tactics(family)
-    times = {}
-    try:
-        for i, name in enumerate(names):
-            _C.set_grouped_gemm_tactic(family, i)
-            times[name] = _time_ms(run)
-    finally:
-        _C.set_grouped_gemm_tactic(family, -1)
+    # Swap-AB tactics serve a few rows per group; on large groups they are several times slower.
+    rows_per_group = sum_m // max(num_groups, 1)
+    candidates = {name: i for i, name in enumerate(_C.grouped_gemm_tactics(family))
+                  if "swapab" not in name or rows_per_group <= 128}
+    times = _time_tactics(family, candidates, run)
     best = min(times, key=times.get)
     _record(key, best)
     return best

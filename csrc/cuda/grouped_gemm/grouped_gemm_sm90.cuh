@@ -28,7 +28,17 @@ namespace cake::sm90 {
 
 using namespace cute;
 
-enum class Kind { kFwd, kDgrad, kWgrad };
+// kFwdSwapAB / kDgradSwapAB compute the same ops transposed (D^T = B^T A^T): the weight fills
+// the tile's M side and the few rows of a group its N side, so decode-sized groups (a handful
+// of rows per expert) do not waste a 64- or 128-row tile on padding and the weight tile can be
+// long along its contiguous dimension.
+enum class Kind { kFwd, kDgrad, kWgrad, kFwdSwapAB, kDgradSwapAB };
+
+constexpr bool is_swap_ab(Kind k) { return k == Kind::kFwdSwapAB || k == Kind::kDgradSwapAB; }
+// The op a kind computes (fwd, dgrad or wgrad), whatever its operand order.
+constexpr Kind op_of(Kind k) {
+  return k == Kind::kFwdSwapAB ? Kind::kFwd : k == Kind::kDgradSwapAB ? Kind::kDgrad : k;
+}
 
 // Cooperative: both consumer warpgroups split one tile (good for large tiles). Pingpong: each
 // consumer warpgroup owns a tile and their mainloops and epilogues alternate (good for small
@@ -47,18 +57,23 @@ struct Pingpong {
 //   fwd:   M = t-s, N = N, K = K;  A = x[s:t] (row-major),  B = w[e]^T (K-major), D = y[s:t]
 //   dgrad: M = t-s, N = K, K = N;  A = g[s:t] (row-major),  B = w[e] (N-major, read in place)
 //   wgrad: M = N, N = K, K = t-s;  A = g[s:t]^T (M-major),  B = x[s:t] (N-major), D = dw[e]
+// and transposed (swap AB), D = y[s:t]^T / dx[s:t]^T (column-major, written in place):
+//   fwd:   M = N, N = t-s, K = K;  A = w[e] (row-major),    B = x[s:t] (K-major)
+//   dgrad: M = K, N = t-s, K = N;  A = w[e]^T (M-major),    B = g[s:t] (K-major)
 template <Kind kKind, class ElementOut_, class TileShape_, class ClusterShape_, class Schedule>
 struct GroupedGemmConfig {
   static constexpr Kind kind = kKind;
+  static constexpr Kind op = op_of(kKind);
   using ElementIn = cutlass::bfloat16_t;
   using ElementOut = ElementOut_;
   using ElementAccumulator = float;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  using LayoutA = std::conditional_t<kKind == Kind::kWgrad, cutlass::layout::ColumnMajor,
+  using LayoutA = std::conditional_t<kKind == Kind::kWgrad || kKind == Kind::kDgradSwapAB,
+                                     cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutB = std::conditional_t<kKind == Kind::kFwd || is_swap_ab(kKind),
+                                     cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutD = std::conditional_t<is_swap_ab(kKind), cutlass::layout::ColumnMajor,
                                      cutlass::layout::RowMajor>;
-  using LayoutB = std::conditional_t<kKind == Kind::kFwd, cutlass::layout::ColumnMajor,
-                                     cutlass::layout::RowMajor>;
-  using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignIn = 128 / cutlass::sizeof_bits<ElementIn>::value;
   static constexpr int kAlignOut = 128 / cutlass::sizeof_bits<ElementOut>::value;
 
@@ -120,7 +135,7 @@ __device__ inline void zero_bytes(char* base, int64_t begin, int64_t end, int64_
 template <class Config>
 __global__ void __launch_bounds__(kPrologueThreads)
     prepare_groups_kernel(GroupedGemmParams p, GroupArrays<Config> arr) {
-  constexpr Kind kKind = Config::kind;
+  constexpr Kind kKind = Config::op;
   using ElementIn = typename Config::ElementIn;
   using ElementOut = typename Config::ElementOut;
   const int64_t e = blockIdx.y;
@@ -139,7 +154,23 @@ __global__ void __launch_bounds__(kPrologueThreads)
     const int m = static_cast<int>(rows);
     const int n = static_cast<int>(p.n);
     const int k = static_cast<int>(p.k);
-    if constexpr (kKind == Kind::kFwd) {
+    if constexpr (Config::kind == Kind::kFwdSwapAB) {
+      arr.shapes[e] = {n, m, k};
+      arr.ptr_a[e] = b + e * p.n * p.k;
+      arr.ptr_b[e] = a + start * p.k;
+      arr.ptr_d[e] = d + start * p.n;
+      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {n, k, 1});
+      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {m, k, 1});
+      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, m, 1});
+    } else if constexpr (Config::kind == Kind::kDgradSwapAB) {
+      arr.shapes[e] = {k, m, n};
+      arr.ptr_a[e] = b + e * p.n * p.k;
+      arr.ptr_b[e] = a + start * p.n;
+      arr.ptr_d[e] = d + start * p.k;
+      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {k, n, 1});
+      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {m, n, 1});
+      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {k, m, 1});
+    } else if constexpr (kKind == Kind::kFwd) {
       arr.shapes[e] = {m, n, k};
       arr.ptr_a[e] = a + start * p.k;
       arr.ptr_b[e] = b + e * p.n * p.k;

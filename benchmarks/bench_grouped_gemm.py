@@ -150,6 +150,8 @@ def run(args):
     l2_bytes = torch.cuda.get_device_properties().L2_cache_size if device == "cuda" else 0
     rows = []
     for name in names:
+        if device == "cuda" and args.autotune:
+            cake_ops.clear_tuning()  # distributions of one shape share a bucket: tune each
         e, sum_m, n, k, dist = {**SHAPES, **CPU_SHAPES}[name]
         sizes = group_sizes(e, sum_m, dist)
         x = torch.randn(sum_m, k, device=device).bfloat16()
@@ -170,15 +172,22 @@ def run(args):
             peers = cases(op, x, w, g, offs, sizes)
             if (args.sweep or args.sweep_all) and device == "cuda" and op != "fwdbwd":
                 sweep(row, op, peers["cake"][0], timer, graph, calls, args.sweep_all, sum_m // e)
-            if args.autotune and device == "cuda":  # tune this bucket; the timings below use it
-                fn, setup = peers["cake"]
-                if setup:
-                    setup()
-                with cake_ops.autotune():
-                    fn()
-            if device == "cuda" and op != "fwdbwd":
-                index = cake_ops._C.grouped_gemm_tactic_for(op, e, sum_m, n, k)  # op = family
-                row["cake_tactic"] = cake_ops._C.grouped_gemm_tactics(op)[index]
+            if device == "cuda":
+                families = ["fwd", "dgrad", "wgrad"] if op == "fwdbwd" else [op]  # op = family
+                heuristic = {f: cake_ops._C.grouped_gemm_tactic_for(f, e, sum_m, n, k) for f in families}
+                if op != "fwdbwd":
+                    row["cake_tactic"] = cake_ops._C.grouped_gemm_tactics(op)[heuristic[op]]
+                if args.autotune:  # tune this bucket: cake_tuned runs the winner, cake the heuristic
+                    fn, setup = peers["cake"]
+                    if setup:
+                        setup()
+                    with cake_ops.autotune():
+                        fn()
+                    peers["cake_tuned"] = peers["cake"]
+                    peers["cake"] = (with_tactics(fn, heuristic), setup)
+                    if op != "fwdbwd":
+                        index = cake_ops._C.grouped_gemm_tactic_for(op, e, sum_m, n, k)
+                        row["cake_tuned_tactic"] = cake_ops._C.grouped_gemm_tactics(op)[index]
             if not (args.loop and not graph):
                 peers.pop("loop_mm", None)
             for peer, ms in timer.many(peers, graph, calls).items():
@@ -188,15 +197,29 @@ def run(args):
                 row[f"{peer}_ms"] = ms
                 row[f"{peer}_tflops"] = op_flops / ms / 1e9
             if op in ("fwd", "dgrad"):  # weight-read bandwidth: what bounds decode-sized problems
-                for peer in ("cake", "torch_gmm"):
+                for peer in ("cake", "cake_tuned", "torch_gmm"):
                     if f"{peer}_ms" in row:
                         row[f"{peer}_weight_tbps"] = weight_bytes / row[f"{peer}_ms"] / 1e9
-            for peer in ("torch_gmm", "dense_mm", "loop_mm"):
-                if "cake_ms" in row and f"{peer}_ms" in row:
-                    row[f"cake_vs_{peer}"] = row[f"{peer}_ms"] / row["cake_ms"]
+            for ours in ("cake", "cake_tuned"):
+                for peer in ("torch_gmm", "dense_mm", "loop_mm"):
+                    if f"{ours}_ms" in row and f"{peer}_ms" in row:
+                        row[f"{ours}_vs_{peer}"] = row[f"{peer}_ms"] / row[f"{ours}_ms"]
             rows.append(row)
             print_row(row)
     return device, rows
+
+
+def with_tactics(fn, tactics):
+    """fn run with the given {family: tactic index} forced (at launch, so also at graph capture)."""
+    def run():
+        for family, index in tactics.items():
+            cake_ops._C.set_grouped_gemm_tactic(family, index)
+        try:
+            return fn()
+        finally:
+            for family in tactics:
+                cake_ops._C.set_grouped_gemm_tactic(family, -1)
+    return run
 
 
 def sweep(row, op, fn, timer, graph, calls, every_order, rows_per_group):
@@ -210,14 +233,7 @@ def sweep(row, op, fn, timer, graph, calls, every_order, rows_per_group):
             continue
         if "swapab" in name and rows_per_group > 128:
             continue
-
-        def run(i=i):
-            cake_ops._C.set_grouped_gemm_tactic(family, i)  # chosen at launch (and at capture)
-            try:
-                return fn()
-            finally:
-                cake_ops._C.set_grouped_gemm_tactic(family, -1)
-        tactics[name] = (run, None)
+        tactics[name] = (with_tactics(fn, {family: i}), None)
     times = {k: v for k, v in timer.many(tactics, graph, calls).items() if not isinstance(v, str)}
     for name, ms in times.items():
         row[f"tactic_{name}_ms"] = ms
@@ -230,16 +246,17 @@ def fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(width)
 
 
-HEADER = (f"{'shape':34} {'op':9} {'cake ms':>9} {'cake TF/s':>9} {'gmm TF/s':>9} {'x gmm':>7} "
-          f"{'dense TF/s':>10} {'x dense':>7} {'W TB/s':>7}  cake tactic, best tactic (sweep)")
+HEADER = (f"{'shape':30} {'op':9} {'cake ms':>8} {'cake TF/s':>9} {'tuned TF/s':>10} {'gmm TF/s':>8} "
+          f"{'x gmm':>6} {'tuned x gmm':>11} {'dense TF/s':>10} {'x dense':>7} {'W TB/s':>6}  tactic (heuristic, tuned, sweep)")
 
 
 def print_row(r):
-    print(f"{r['shape']:34} {r['op']:9} {fmt(r.get('cake_ms'), '9.3f')} {fmt(r.get('cake_tflops'), '9.1f')} "
-          f"{fmt(r.get('torch_gmm_tflops'), '9.1f')} {fmt(r.get('cake_vs_torch_gmm'), '7.3f')} "
+    tactics = " ".join(r.get(t, "") for t in ("cake_tactic", "cake_tuned_tactic", "best_tactic"))
+    print(f"{r['shape']:30} {r['op']:9} {fmt(r.get('cake_ms'), '8.3f')} {fmt(r.get('cake_tflops'), '9.1f')} "
+          f"{fmt(r.get('cake_tuned_tflops'), '10.1f')} {fmt(r.get('torch_gmm_tflops'), '8.1f')} "
+          f"{fmt(r.get('cake_vs_torch_gmm'), '6.3f')} {fmt(r.get('cake_tuned_vs_torch_gmm'), '11.3f')} "
           f"{fmt(r.get('dense_mm_tflops'), '10.1f')} {fmt(r.get('cake_vs_dense_mm'), '7.3f')} "
-          f"{fmt(r.get('cake_weight_tbps'), '7.2f')}  {r.get('cake_tactic', '')} {r.get('best_tactic', '')} "
-          f"{fmt(r.get('best_tactic_ms'), '6.3f') if 'best_tactic' in r else ''}", flush=True)
+          f"{fmt(r.get('cake_weight_tbps'), '6.2f')}  {tactics}", flush=True)
 
 
 def geomean(values):
@@ -255,19 +272,23 @@ def summary(rows, ops):
     for r in rows:
         if r.get("timing", "").startswith("graph") and "cake_weight_tbps" in r:
             entry = {"shape": r["shape"], "op": r["op"], "cake_tbps": r["cake_weight_tbps"],
+                     "cake_tuned_tbps": r.get("cake_tuned_weight_tbps"),
                      "torch_gmm_tbps": r.get("torch_gmm_weight_tbps"),
                      "fraction_of_hbm": r["cake_weight_tbps"] / HBM_TBPS}
             out["decode"].append(entry)
-            print(f"{r['shape']:34} {r['op']:6} weight read {entry['cake_tbps']:.2f} TB/s = "
-                  f"{100 * entry['fraction_of_hbm']:.0f}% of {HBM_TBPS} TB/s "
-                  f"(torch._grouped_mm {fmt(entry['torch_gmm_tbps'], '4.2f')} TB/s)")
+            print(f"{r['shape']:30} {r['op']:6} weight read {entry['cake_tbps']:.2f} TB/s = "
+                  f"{100 * entry['fraction_of_hbm']:.0f}% of {HBM_TBPS} TB/s (tuned "
+                  f"{fmt(entry['cake_tuned_tbps'], '4.2f')}, torch._grouped_mm "
+                  f"{fmt(entry['torch_gmm_tbps'], '4.2f')} TB/s)")
     for op in ops:
-        ratios = [r.get("cake_vs_torch_gmm") for r in rows if r["op"] == op]
-        ratios = [v for v in ratios if v]
-        if ratios:
-            out[op] = {"geomean_vs_torch_gmm": geomean(ratios), "min_vs_torch_gmm": min(ratios)}
-            print(f"{op:9} geomean cake / torch._grouped_mm = {out[op]['geomean_vs_torch_gmm']:.3f} "
-                  f"(min {out[op]['min_vs_torch_gmm']:.3f}, {len(ratios)} shapes)")
+        for ours, label in (("cake", "cake (heuristic)"), ("cake_tuned", "cake (autotuned)")):
+            ratios = [r.get(f"{ours}_vs_torch_gmm") for r in rows if r["op"] == op]
+            ratios = [v for v in ratios if v]
+            if ratios:
+                out.setdefault(op, {})[f"{ours}_geomean_vs_torch_gmm"] = geomean(ratios)
+                out[op][f"{ours}_min_vs_torch_gmm"] = min(ratios)
+                print(f"{op:9} geomean {label} / torch._grouped_mm = {geomean(ratios):.3f} "
+                      f"(min {min(ratios):.3f}, {len(ratios)} shapes)")
     return out
 
 
@@ -280,9 +301,11 @@ def plot(rows, ops, path):
     for ax, op in zip(axes[:, 0], ops):
         sel = [r for r in rows if r["op"] == op]
         names = [r["shape"] for r in sel]
-        for i, (peer, color) in enumerate([("cake", "tab:red"), ("torch_gmm", "tab:blue"), ("dense_mm", "tab:gray")]):
-            ax.bar([j + 0.27 * (i - 1) for j in range(len(sel))], [r.get(f"{peer}_tflops", 0) for r in sel],
-                   width=0.27, color=color, label=peer)
+        peers = [("cake", "tab:red"), ("cake_tuned", "tab:orange"), ("torch_gmm", "tab:blue"),
+                 ("dense_mm", "tab:gray")]
+        for i, (peer, color) in enumerate(peers):
+            ax.bar([j + 0.2 * (i - 1.5) for j in range(len(sel))], [r.get(f"{peer}_tflops", 0) for r in sel],
+                   width=0.2, color=color, label=peer)
         ax.set_xticks(range(len(sel)), names, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"grouped GEMM {op}")

@@ -335,6 +335,23 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
         cake_ops.clear_tuning()
 
 
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
+@pytest.mark.parametrize("family,e,sum_m,n,k,expected", [
+    ("fwd", 128, 128, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),       # decode
+    ("dgrad", 128, 1024, 1536, 2048, "dgrad_bf16_ping_64x256x64_c1x1"),
+    ("wgrad", 128, 128, 1536, 2048, "wgrad_bf16_coop_128x256x64_c2x1"),
+    ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_ping_128x128x64_c1x1_swz4"),        # Qwen3 experts
+    ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_ping_128x128x64_c1x1_swz4"),     # Mixtral
+    ("fwd", 4, 112576, 4096, 6144, "fwd_bf16_coop_128x256x64_c1x2_rasterN_swz4"),  # large groups
+    ("fwd", 4, 112576, 4352, 6144, "fwd_bf16_coop_128x256x64_c2x1"),              # 17 N tiles
+    ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1"),          # 3 N tiles
+    ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4"),
+])
+def test_heuristic_choices(family, e, sum_m, n, k, expected):
+    names = cake_ops._C.grouped_gemm_tactics(family)
+    assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k)] == expected
+
+
 # ----------------------------------------------------------------------------------------------
 # Experimental warning
 

@@ -46,30 +46,43 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
   return tables;
 }
 
-// The first tactic whose name contains `name`: a configuration's default tile order.
-int find(TacticFamily family, const char* name) {
+// The tactic named exactly `name` (a configuration and a tile order).
+int find(TacticFamily family, const std::string& name) {
   const auto& table = tactics_sm90(family);
   for (size_t i = 0; i < table.size(); ++i) {
-    if (table[i].name.find(name) != std::string::npos) return static_cast<int>(i);
+    if (table[i].name == name) return static_cast<int>(i);
   }
-  TORCH_CHECK(false, "cake grouped GEMM: no tactic named like ", name, " (internal error)");
+  TORCH_CHECK(false, "cake grouped GEMM: no tactic named ", name, " (internal error)");
 }
 
-// The heuristic's two configurations of a family, looked up by name once (not per launch).
+// The heuristic's choices for one family, looked up by name once (not per launch).
 struct HeuristicChoices {
-  int small_groups;  // a few rows per expert: weight-bandwidth bound
-  int large_groups;
+  int few_rows;           // a few rows per group: weight-bandwidth bound
+  int medium_groups;      // up to 2048 rows per group (many experts, or Mixtral-sized); -1: none
+  int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
+  int large_groups_odd;   // large groups, an odd number of 256-wide N tiles
 };
 
 const HeuristicChoices& heuristic_choices(TacticFamily family) {
   constexpr int kFamilies = static_cast<int>(TacticFamily::kCount);
   static const auto choices = [] {
     std::array<HeuristicChoices, kFamilies> c{};
+    const char* prefixes[kFamilies] = {"fwd_bf16_", "dgrad_bf16_", "wgrad_bf16_", "wgrad_f32_"};
     for (int f = 0; f < kFamilies; ++f) {
       const auto fam = static_cast<TacticFamily>(f);
-      const int large = find(fam, "coop_128x256x64_c2x1");
-      const bool has_pingpong = fam == TacticFamily::kFwdBf16 || fam == TacticFamily::kDgradBf16;
-      c[f] = {has_pingpong ? find(fam, "ping_64x256x64_c1x1") : large, large};
+      auto named = [&](const char* rest) { return find(fam, std::string(prefixes[f]) + rest); };
+      const int coop_2x1 = named("coop_128x256x64_c2x1");
+      const int coop_1x2 = named("coop_128x256x64_c1x2_rasterN_swz4");
+      switch (fam) {
+        case TacticFamily::kFwdBf16:
+          c[f] = {named("swapab_coop_128x32x128_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1};
+          break;
+        case TacticFamily::kDgradBf16:
+          c[f] = {named("ping_64x256x64_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1};
+          break;
+        default:  // wgrad: the groups' rows are the reduction; the output is E dense N x K tiles
+          c[f] = {coop_2x1, -1, coop_1x2, coop_2x1};
+      }
     }
     return c;
   }();
@@ -114,14 +127,21 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
       if (it != g_tuned.end()) return it->second;
     }
   }
-  // Heuristic v1, from the H200 sweep of every configuration on the benchmark shapes
-  // (benchmarks/NOTES.md, results/grouped_gemm_h200_sweep.json): 128x256 cooperative tiles won
-  // 19 of 24 fwd, 20 of 24 dgrad and 23 of 24 wgrad shapes; decode-sized groups (a few rows per
-  // expert) are weight-bandwidth bound and stream best with 64x256 pingpong tiles (fwd, dgrad;
-  // wgrad has no pingpong configuration and uses 128x256 throughout).
-  const int64_t rows_per_group = s.num_groups > 0 ? s.sum_m / s.num_groups : s.sum_m;
+  // Heuristic v2, from the H200 sweep of every tactic measured in rotation (benchmarks/NOTES.md,
+  // results/grouped_gemm_h200_sweep.json). Decode-sized groups stream the weights (swap-AB
+  // 128x32 for fwd, 64x256 pingpong for dgrad; wgrad writes E full dw tiles either way). Up to
+  // 2048 rows per group (Qwen3's 128 experts, Mixtral's 8), 128x128 pingpong overlaps each
+  // tile's epilogue with the other warpgroup's mainloop: 4 to 14% over 128x256 cooperative.
+  // Larger groups: 128x256 cooperative with a 1x2 cluster (x tiles multicast to two weight
+  // tiles), along N in swizzles of 4: 4 to 12% over the 2x1 cluster, when the N tiles pair up.
   const HeuristicChoices& c = heuristic_choices(family);
-  return rows_per_group <= 32 ? c.small_groups : c.large_groups;
+  const int64_t rows_per_group = s.num_groups > 0 ? s.sum_m / s.num_groups : s.sum_m;
+  if (rows_per_group <= 32) return c.few_rows;
+  if (rows_per_group <= 2048 && c.medium_groups >= 0) return c.medium_groups;
+  // The tile's N side: fwd N, dgrad K, wgrad K (the output is [N, K] per group).
+  const int64_t n_extent = family == TacticFamily::kFwdBf16 ? s.n : s.k;
+  const bool n_tiles_pair = ((n_extent + 255) / 256) % 2 == 0;
+  return n_tiles_pair ? c.large_groups : c.large_groups_odd;
 }
 
 void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic) {

@@ -344,6 +344,8 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
     ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_ping_128x128x64_c1x1_swz4"),     # Mixtral
     ("fwd", 4, 112576, 4096, 6144, "fwd_bf16_coop_128x256x64_c1x2_rasterN_swz4"),  # large groups
     ("fwd", 4, 112576, 4352, 6144, "fwd_bf16_coop_128x256x64_c2x1"),              # 17 N tiles
+    ("fwd", 4, 112576, 6144, 2048, "fwd_bf16_ping_128x128x64_c1x1_rasterN"),      # w[e] fits in L2
+    ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_coop_128x256x64_c1x2_rasterN_swz4"),
     ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1"),          # 3 N tiles
     ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4"),
 ])

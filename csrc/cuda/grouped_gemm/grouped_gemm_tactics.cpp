@@ -61,6 +61,7 @@ struct HeuristicChoices {
   int medium_groups;      // up to 2048 rows per group (many experts, or Mixtral-sized); -1: none
   int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
   int large_groups_odd;   // large groups, an odd number of 256-wide N tiles
+  int large_groups_weight_in_l2;  // fwd: large groups, one expert's weight fits in L2; -1: none
 };
 
 const HeuristicChoices& heuristic_choices(TacticFamily family) {
@@ -75,13 +76,14 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
       const int coop_1x2 = named("coop_128x256x64_c1x2_rasterN_swz4");
       switch (fam) {
         case TacticFamily::kFwdBf16:
-          c[f] = {named("swapab_coop_128x32x128_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1};
+          c[f] = {named("swapab_coop_128x32x128_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1,
+                  named("ping_128x128x64_c1x1_rasterN")};
           break;
         case TacticFamily::kDgradBf16:
-          c[f] = {named("ping_64x256x64_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1};
+          c[f] = {named("ping_64x256x64_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1, -1};
           break;
         default:  // wgrad: the groups' rows are the reduction; the output is E dense N x K tiles
-          c[f] = {coop_2x1, -1, coop_1x2, coop_2x1};
+          c[f] = {coop_2x1, -1, coop_1x2, coop_2x1, -1};
       }
     }
     return c;
@@ -128,7 +130,7 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
     }
   }
   // Heuristic v2, from the H200 sweep of every tactic measured in rotation (benchmarks/NOTES.md,
-  // results/grouped_gemm_h200_sweep.json). Decode-sized groups stream the weights (swap-AB
+  // results/grouped_gemm_h200_sweep_rotation.json). Decode-sized groups stream the weights (swap-AB
   // 128x32 for fwd, 64x256 pingpong for dgrad; wgrad writes E full dw tiles either way). Up to
   // 2048 rows per group (Qwen3's 128 experts, Mixtral's 8), 128x128 pingpong overlaps each
   // tile's epilogue with the other warpgroup's mainloop: 4 to 14% over 128x256 cooperative.
@@ -138,6 +140,13 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
   const int64_t rows_per_group = s.num_groups > 0 ? s.sum_m / s.num_groups : s.sum_m;
   if (rows_per_group <= 32) return c.few_rows;
   if (rows_per_group <= 2048 && c.medium_groups >= 0) return c.medium_groups;
+  // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an
+  // H100's L2): sweeping along N keeps the expert's weight in L2 and re-reads x tiles from it,
+  // 128x128 pingpong +4 to +10% over the 1x2 cluster (the E=4 and E=8 "down" shapes).
+  constexpr int64_t kWeightInL2Bytes = 25ll << 20;
+  if (rows_per_group > 8192 && c.large_groups_weight_in_l2 >= 0 && s.n * s.k * 2 <= kWeightInL2Bytes) {
+    return c.large_groups_weight_in_l2;
+  }
   // The tile's N side: fwd N, dgrad K, wgrad K (the output is [N, K] per group).
   const int64_t n_extent = family == TacticFamily::kFwdBf16 ? s.n : s.k;
   const bool n_tiles_pair = ((n_extent + 255) / 256) % 2 == 0;

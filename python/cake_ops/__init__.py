@@ -1,14 +1,15 @@
 """cake_ops: Mixture-of-Experts kernels for PyTorch, registered as ``torch.ops.cake.*``.
 
 ``cake_ops.grouped_gemm`` holds the ragged bf16 grouped GEMM (fwd / dgrad / wgrad, autograd,
-prepared launches); ``cake_ops.grouped_mm_bf16`` is its stable entry point. Every op has a CPU
+prepared launches); ``cake_ops.grouped_mm_bf16`` is its stable entry point.
+``cake_ops.fused_moe.fused_moe_bf16`` is the pre-routed MoE forward. Every op has a CPU
 implementation, a fake (meta) implementation and, where differentiable, an autograd formula.
 """
 import torch  # loads libtorch before the extension
 
 from . import _C  # registers the schemas and the CPU / CUDA kernels
 from . import _fake  # noqa: F401  (registers the fake implementations)
-from . import grouped_gemm
+from . import fused_moe, grouped_gemm
 from ._experimental import ExperimentalWarning
 from .autotune import autotune, clear_tuning, load_tuning, save_tuning
 from .grouped_gemm import grouped_mm_bf16
@@ -26,5 +27,5 @@ def build_info() -> dict:
     }
 
 
-__all__ = ["ExperimentalWarning", "autotune", "build_info", "clear_tuning", "grouped_gemm", "grouped_mm_bf16",
-           "load_tuning", "save_tuning"]
+__all__ = ["ExperimentalWarning", "autotune", "build_info", "clear_tuning", "fused_moe", "grouped_gemm",
+           "grouped_mm_bf16", "load_tuning", "save_tuning"]

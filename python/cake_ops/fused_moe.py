@@ -1,13 +1,29 @@
 """Fused bf16 MoE forward for Hopper (``../shared/spec/fused_moe_bf16_sm90.txt``).
 
-Work in progress (issue 4). The pipeline's ops exist with their semantics, on the CPU and (unfused,
-through ATen kernels and the SM90 grouped GEMM) on the GPU: ``torch.ops.cake.moe_sort`` ->
-``moe_gemm1_swiglu`` -> ``grouped_gemm_fwd`` -> ``moe_finalize``; ``fused_moe_bf16`` comes with the
-fused SM90 kernels that replace them.
+``fused_moe_bf16`` has the specification's signature, semantics, defaults and shape rules. It is
+built from the ``torch.ops.cake`` MoE ops: ``moe_sort`` (counts, offsets, permutation, tiles, on
+the device) -> ``moe_gemm1_swiglu`` -> ``grouped_gemm_fwd`` (GEMM2) -> ``moe_finalize``
+(router-scaled combine in float32, fixed order). No value leaves the device, so a call never
+synchronises and can be captured in a CUDA graph or traced by ``torch.compile(fullgraph=True)``.
+
+Status (issue 4): the stages are not fused yet. GEMM2 is the SM90 grouped GEMM; the gather and
+SwiGLU of GEMM1 run as ATen kernels around it; both ``use_fused_finalize`` values run the
+deterministic combine (so the output is bitwise reproducible either way); the tile, cluster,
+raster and PDL settings are validated by the specification's rules and take effect with the
+fused kernels. On CUDA the grouped GEMM takes bfloat16 only (float16 runs on the CPU).
 """
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
 import torch
 
+from ._experimental import warn_experimental
+
+__all__ = ["default_tile_size", "fused_moe_bf16", "interleave_up_gate_sm90"]
+
 INTERLEAVE_ROWS = 32
+_NAME = "cake_ops.fused_moe_bf16"
 
 
 def interleave_up_gate_sm90(w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -22,3 +38,122 @@ def interleave_up_gate_sm90(w_gate_up: torch.Tensor) -> torch.Tensor:
     chunks = two_i // 2 // INTERLEAVE_ROWS
     gate, up = w_gate_up.view(e, 2, chunks, INTERLEAVE_ROWS, h).unbind(1)
     return torch.stack([up, gate], dim=2).reshape(e, two_i, h).contiguous()
+
+
+def default_tile_size(num_tokens: int, top_k: int, num_local_experts: int, intermediate: int) -> int:
+    """The specification's tile rule: 64 below an average of 64 rows per local expert (decode
+    batches pad every expert to a full tile), 128 from there; with a per-rank I under 192 the
+    switch to 128 comes at 16 rows per expert."""
+    rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
+    return 128 if rows_per_expert >= (16 if intermediate < 192 else 64) else 64
+
+
+def _shape(t: torch.Tensor) -> list:
+    return list(t.shape)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{_NAME}: {message}")
+
+
+def _check_buffer(buf: torch.Tensor, name: str, shape: list, x: torch.Tensor) -> None:
+    _check(_shape(buf) == shape, f"{name} must have shape {shape}, got {_shape(buf)}")
+    _check(buf.dtype == x.dtype, f"{name} must have x's dtype {x.dtype}, got {buf.dtype}")
+    _check(buf.device == x.device, f"{name} must be on x's device {x.device}, got {buf.device}")
+    _check(buf.is_contiguous(), f"{name} must be contiguous")
+
+
+def _check_overrides(hidden: int, intermediate: int, tile_size, gemm1_tile_n, gemm2_tile_n,
+                     gemm2_tile_k, gemm2_cluster_shape_mn, gemm2_raster_along_m) -> None:
+    _check(tile_size in (None, 64, 128), f"tile_size must be 64 or 128, got {tile_size}")
+    _check(gemm1_tile_n is None or (gemm1_tile_n in (64, 128, 256) and (2 * intermediate) % gemm1_tile_n == 0),
+           f"gemm1_tile_n must be 64, 128 or 256 and divide 2I={2 * intermediate}, got {gemm1_tile_n}")
+    _check(gemm2_tile_n is None or (gemm2_tile_n in (64, 128, 256) and hidden % gemm2_tile_n == 0),
+           f"gemm2_tile_n must be 64, 128 or 256 and divide hidden={hidden}, got {gemm2_tile_n}")
+    _check(gemm2_tile_k is None or (gemm2_tile_k in (32, 64) and intermediate % gemm2_tile_k == 0),
+           f"gemm2_tile_k must be 32 or 64 and divide I={intermediate}, got {gemm2_tile_k}")
+    if gemm2_cluster_shape_mn is not None:
+        cluster = tuple(gemm2_cluster_shape_mn)
+        _check(cluster in ((1, 1), (1, 2)), f"gemm2_cluster_shape_mn must be (1, 1) or (1, 2), got {cluster}")
+        if cluster == (1, 2):
+            tile_n = gemm2_tile_n or 128
+            _check((hidden // tile_n) % 2 == 0,
+                   f"gemm2_cluster_shape_mn=(1, 2) needs an even number of GEMM2 N tiles, got "
+                   f"hidden={hidden} / gemm2_tile_n={tile_n} = {hidden // tile_n}")
+    _check(gemm2_raster_along_m is None or isinstance(gemm2_raster_along_m, bool),
+           f"gemm2_raster_along_m must be a bool or None, got {gemm2_raster_along_m!r}")
+
+
+def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_final_scales: torch.Tensor,
+                   w1_weight: torch.Tensor, w2_weight: torch.Tensor, num_experts: int, top_k: int,
+                   num_local_experts: Optional[int] = None, local_expert_offset: int = 0,
+                   use_fused_finalize: bool = True, moe_output: Optional[torch.Tensor] = None,
+                   enable_pdl: bool = True, *, intermediate_buffer: Optional[torch.Tensor] = None,
+                   tile_size: Optional[int] = None, gemm1_tile_n: Optional[int] = None,
+                   gemm2_tile_n: Optional[int] = None, gemm2_tile_k: Optional[int] = None,
+                   gemm2_cluster_shape_mn: Optional[Tuple[int, int]] = None,
+                   gemm2_raster_along_m: Optional[bool] = None) -> torch.Tensor:
+    """``out[t] = sum_k scale[t, k] * ffn(x[t]; e[t, k])``, ``ffn(x; e) = (silu(x @ w1_gate[e].T) *
+    (x @ w1_up[e].T)) @ w2[e].T``, over the routes whose expert is in this shard.
+
+    x ``[T, H]`` bf16/fp16; token_selected_experts ``[T, top_k]`` int32 global ids;
+    token_final_scales ``[T, top_k]`` float32; w1_weight ``[E_local, 2I, H]`` up/gate interleaved
+    at 32 rows (:func:`interleave_up_gate_sm90`); w2_weight ``[E_local, H, I]``. Routes to experts
+    outside ``[local_expert_offset, local_expert_offset + num_local_experts)`` (other shards, or
+    ids outside ``[0, num_experts)``) contribute zero. Needs H % 64 == 0 and I % 32 == 0.
+    Returns ``[T, H]`` in x's dtype (``moe_output`` when given, overwritten); the GEMM1 output
+    (``[T * top_k, I]``, permuted rows) is left in ``intermediate_buffer`` when given. See the
+    module doc for what is fused today.
+    """
+    warn_experimental("cake_ops.fused_moe")
+    ids, scales = token_selected_experts, token_final_scales
+    _check(x.dim() == 2, f"x must be a 2-D [num_tokens, hidden] tensor, got shape {_shape(x)}")
+    _check(x.dtype in (torch.bfloat16, torch.float16), f"x must be bfloat16 or float16, got {x.dtype}")
+    num_tokens, hidden = x.shape
+    _check(isinstance(top_k, int) and top_k >= 1, f"top_k must be a positive int, got {top_k!r}")
+    _check(_shape(ids) == [num_tokens, top_k],
+           f"token_selected_experts must have shape [num_tokens, top_k] = {[num_tokens, top_k]}, got {_shape(ids)}")
+    _check(ids.dtype == torch.int32, f"token_selected_experts must be int32, got {ids.dtype}")
+    _check(_shape(scales) == [num_tokens, top_k],
+           f"token_final_scales must have shape [num_tokens, top_k] = {[num_tokens, top_k]}, got {_shape(scales)}")
+    _check(scales.dtype == torch.float32, f"token_final_scales must be float32, got {scales.dtype}")
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
+    _check(1 <= num_local <= num_experts, f"num_local_experts must be in [1, num_experts={num_experts}], got {num_local}")
+    _check(0 <= local_expert_offset <= num_experts - num_local,
+           f"the shard [local_expert_offset, local_expert_offset + num_local_experts) = "
+           f"[{local_expert_offset}, {local_expert_offset + num_local}) must lie within [0, num_experts={num_experts})")
+    _check(w1_weight.dim() == 3 and w1_weight.shape[0] == num_local and w1_weight.shape[2] == hidden,
+           f"w1_weight must be [num_local_experts={num_local}, 2I, hidden={hidden}], got {_shape(w1_weight)}")
+    intermediate = w1_weight.shape[1] // 2
+    _check(_shape(w2_weight) == [num_local, hidden, intermediate],
+           f"w2_weight must be [num_local_experts, hidden, I] = {[num_local, hidden, intermediate]}, got {_shape(w2_weight)}")
+    for name, w in (("w1_weight", w1_weight), ("w2_weight", w2_weight)):
+        _check(w.dtype == x.dtype, f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    for name, t in (("token_selected_experts", ids), ("token_final_scales", scales),
+                    ("w1_weight", w1_weight), ("w2_weight", w2_weight)):
+        _check(t.device == x.device, f"{name} must be on x's device {x.device}, got {t.device}")
+    _check(hidden % 64 == 0, f"hidden must be a multiple of 64, got {hidden}")
+    _check(w1_weight.shape[1] % 64 == 0 and intermediate % 32 == 0,
+           f"2I must be a multiple of 64 (I % 32 == 0), got 2I={w1_weight.shape[1]}")
+    if moe_output is not None:
+        _check_buffer(moe_output, "moe_output", [num_tokens, hidden], x)
+    if intermediate_buffer is not None:
+        _check_buffer(intermediate_buffer, "intermediate_buffer", [num_tokens * top_k, intermediate], x)
+    _check_overrides(hidden, intermediate, tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k,
+                     gemm2_cluster_shape_mn, gemm2_raster_along_m)
+
+    tile = tile_size or default_tile_size(num_tokens, top_k, num_local, intermediate)
+    _, offsets, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
+        ids, num_experts, num_local, local_expert_offset, tile)
+    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k)
+    if intermediate_buffer is not None:
+        intermediate_buffer.copy_(inter)
+        inter = intermediate_buffer
+    rows = torch.ops.cake.grouped_gemm_fwd(inter, w2_weight, offsets)
+    out = torch.ops.cake.moe_finalize(rows, expanded_to_permuted, scales)
+    if moe_output is not None:
+        moe_output.copy_(out)
+        return moe_output
+    return out

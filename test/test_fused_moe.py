@@ -5,6 +5,7 @@ import expecttest
 import pytest
 import torch
 
+from cake_ops import nn as cake_ops_nn
 from cake_ops import reference
 from cake_ops.fused_moe import default_tile_size, fused_moe_bf16, interleave_up_gate_sm90
 
@@ -157,3 +158,83 @@ class TestErrors(expecttest.TestCase):
         keep = scales.clone()
         keep[:, 1] = 0
         assert torch.equal(out, fused_moe_bf16(x, bad.clamp(0, e - 1), keep, w1, w2, e, k))
+
+
+# ----------------------------------------------------------------------------------------------
+# cake_ops.nn.FusedMoE in place of a Hugging Face-style sparse MoE block
+
+
+class Expert(torch.nn.Module):
+    def __init__(self, hidden, inter, names):
+        super().__init__()
+        self.names = names
+        for name, (i, o) in zip(names, [(hidden, inter), (hidden, inter), (inter, hidden)]):
+            setattr(self, name, torch.nn.Linear(i, o, bias=False))
+
+    def forward(self, x):
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(torch.nn.functional.silu(gate(x)) * up(x))
+
+
+class SparseMoeBlock(torch.nn.Module):
+    """The plain PyTorch block (as Mixtral's and Qwen3-MoE's): softmax router, top-k, loop over experts."""
+
+    def __init__(self, hidden, inter, num_experts, top_k, names, norm_topk_prob):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = torch.nn.Linear(hidden, num_experts, bias=False)
+        self.experts = torch.nn.ModuleList(Expert(hidden, inter, names) for _ in range(num_experts))
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e, expert in enumerate(self.experts):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            if tok.numel():
+                out.index_add_(0, tok, expert(x[tok]).float() * weights[tok, slot, None])
+        return out.to(x.dtype).view(shape), logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("names,norm", [(("w1", "w3", "w2"), True), (("gate_proj", "up_proj", "down_proj"), False)])
+def test_fused_moe_module_matches_plain_block(device, names, norm):
+    block = SparseMoeBlock(128, 96, 16, 4, names, norm).to(device, torch.bfloat16)
+    moe = cake_ops_nn.FusedMoE.from_sparse_moe_block(block)
+    x = torch.randn(2, 24, 128, device=device).bfloat16()
+    with torch.no_grad():
+        want, want_logits = block(x)
+        got, logits = moe(x)
+    assert got.shape == x.shape and torch.equal(logits, want_logits)
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < 2e-2, err
+
+
+def test_fused_moe_module_expert_parallel_shards_sum_to_the_block():
+    block = SparseMoeBlock(128, 64, 16, 4, ("w1", "w3", "w2"), True).bfloat16()
+    x = torch.randn(40, 128).bfloat16()
+    with torch.no_grad():
+        want, _ = block(x)
+        shards = [cake_ops_nn.FusedMoE.from_sparse_moe_block(block, num_local_experts=4, local_expert_offset=o)
+                  for o in (0, 4, 8, 12)]
+        total = sum(s(x)[0].float() for s in shards)
+    assert (total - want.float()).norm() / want.float().norm() < 2e-2
+
+
+def test_fused_moe_module_errors():
+    class NoNames(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(64, 4, bias=False)
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+            self.top_k = 2
+    with pytest.raises(ValueError, match="experts must have gate_proj/up_proj/down_proj or w1/w3/w2"):
+        cake_ops_nn.FusedMoE.from_sparse_moe_block(NoNames())
+    block = SparseMoeBlock(64, 64, 4, 2, ("w1", "w3", "w2"), True)
+    with pytest.raises(ValueError, match=r"the shard \[2, 6\) is not within the block's 4 experts"):
+        cake_ops_nn.FusedMoE.from_sparse_moe_block(block, num_local_experts=4, local_expert_offset=2)

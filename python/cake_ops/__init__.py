@@ -2,14 +2,15 @@
 
 ``cake_ops.grouped_gemm`` holds the ragged bf16 grouped GEMM (fwd / dgrad / wgrad, autograd,
 prepared launches); ``cake_ops.grouped_mm_bf16`` is its stable entry point.
-``cake_ops.fused_moe.fused_moe_bf16`` is the pre-routed MoE forward. Every op has a CPU
+``cake_ops.fused_moe.fused_moe_bf16`` is the pre-routed MoE forward and ``cake_ops.nn.FusedMoE``
+a router-plus-experts module over it. Every op has a CPU
 implementation, a fake (meta) implementation and, where differentiable, an autograd formula.
 """
 import torch  # loads libtorch before the extension
 
 from . import _C  # registers the schemas and the CPU / CUDA kernels
 from . import _fake  # noqa: F401  (registers the fake implementations)
-from . import fused_moe, grouped_gemm
+from . import fused_moe, grouped_gemm, nn
 from ._experimental import ExperimentalWarning
 from .autotune import autotune, clear_tuning, load_tuning, save_tuning
 from .grouped_gemm import grouped_mm_bf16
@@ -28,4 +29,4 @@ def build_info() -> dict:
 
 
 __all__ = ["ExperimentalWarning", "autotune", "build_info", "clear_tuning", "fused_moe", "grouped_gemm",
-           "grouped_mm_bf16", "load_tuning", "save_tuning"]
+           "grouped_mm_bf16", "load_tuning", "nn", "save_tuning"]

@@ -82,6 +82,14 @@ def test_preallocated_output_and_intermediate(device):
     assert torch.isfinite(inter.float()).all()  # GEMM1 wrote every permuted row
 
 
+def test_non_contiguous_routing_and_activations():
+    x, ids, scales, w1, w2, e, k, e_local, offset = problem("top2", "cpu", torch.bfloat16)
+    w1 = interleave_up_gate_sm90(w1)
+    expected = fused_moe_bf16(x, ids, scales, w1, w2, e, k)
+    got = fused_moe_bf16(x.t().contiguous().t(), ids.t().contiguous().t(), scales.t().contiguous().t(), w1, w2, e, k)
+    assert torch.equal(got, expected)
+
+
 def test_default_tile_size():
     assert default_tile_size(16, 8, 128, 768) == 64      # decode: 1 row per expert
     assert default_tile_size(8192, 8, 128, 768) == 128   # 512 rows per expert
@@ -147,6 +155,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.error(gemm2_tile_n=256), """cake_ops.fused_moe_bf16: gemm2_tile_n must be 64, 128 or 256 and divide hidden=128, got 256""")
         self.assertExpectedInline(self.error(gemm2_cluster_shape_mn=(2, 1)), """cake_ops.fused_moe_bf16: gemm2_cluster_shape_mn must be (1, 1) or (1, 2), got (2, 1)""")
         self.assertExpectedInline(self.error(gemm2_cluster_shape_mn=(1, 2), gemm2_tile_n=128), """cake_ops.fused_moe_bf16: gemm2_cluster_shape_mn=(1, 2) needs an even number of GEMM2 N tiles, got hidden=128 / gemm2_tile_n=128 = 1""")
+        self.assertExpectedInline(self.error(w2_weight=torch.zeros(8, 96, 128).bfloat16().transpose(1, 2)), """cake_ops.fused_moe_bf16: w2_weight must be contiguous (prepare it once with the model's weights)""")
         self.assertExpectedInline(self.error(gemm2_raster_along_m=1), """cake_ops.fused_moe_bf16: gemm2_raster_along_m must be a bool or None, got 1""")
 
     def test_out_of_range_expert_ids_contribute_zero(self):

@@ -134,6 +134,9 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     for name, t in (("token_selected_experts", ids), ("token_final_scales", scales),
                     ("w1_weight", w1_weight), ("w2_weight", w2_weight)):
         _check(t.device == x.device, f"{name} must be on x's device {x.device}, got {t.device}")
+    for name, w in (("w1_weight", w1_weight), ("w2_weight", w2_weight)):
+        _check(w.is_contiguous(), f"{name} must be contiguous (prepare it once with the model's weights)")
+    x, ids, scales = x.contiguous(), ids.contiguous(), scales.contiguous()
     _check(hidden % 64 == 0, f"hidden must be a multiple of 64, got {hidden}")
     _check(w1_weight.shape[1] % 64 == 0 and intermediate % 32 == 0,
            f"2I must be a multiple of 64 (I % 32 == 0), got 2I={w1_weight.shape[1]}")

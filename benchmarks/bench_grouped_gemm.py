@@ -20,6 +20,7 @@ import torch
 
 import cake_ops
 from cake_ops import grouped_gemm as gg
+from cake_ops.autotune import candidate_tactics
 
 # (E, sum_m, N, K, distribution of rows over groups)
 SHAPES = {
@@ -171,7 +172,7 @@ def run(args):
             row["timing"] = f"graph x{calls}" if graph else "eager"
             peers = cases(op, x, w, g, offs, sizes)
             if (args.sweep or args.sweep_all) and device == "cuda" and op != "fwdbwd":
-                sweep(row, op, peers["cake"][0], timer, graph, calls, args.sweep_all, sum_m // e)
+                sweep(row, op, peers["cake"][0], timer, graph, calls, args.sweep_all, e, sum_m)
             if device == "cuda":
                 families = ["fwd", "dgrad", "wgrad"] if op == "fwdbwd" else [op]  # op = family
                 heuristic = {f: cake_ops._C.grouped_gemm_tactic_for(f, e, sum_m, n, k) for f in families}
@@ -222,18 +223,13 @@ def with_tactics(fn, tactics):
     return run
 
 
-def sweep(row, op, fn, timer, graph, calls, every_order, rows_per_group):
-    """Time the kernel configurations of the op's family (each in its default tile order, or in
-    every tile order with every_order), in rotation; record each and the fastest. Swap-AB
-    configurations (for a few rows per group) are left out where groups are large."""
+def sweep(row, op, fn, timer, graph, calls, every_order, num_groups, sum_m):
+    """Time the kernel configurations the autotuner would (each in its default tile order, or in
+    every tile order with every_order), in rotation; record each and the fastest."""
     family = op
-    tactics = {}
-    for i, name in enumerate(cake_ops._C.grouped_gemm_tactics(family)):
-        if not every_order and ("_raster" in name or "_swz" in name):
-            continue
-        if "swapab" in name and rows_per_group > 128:
-            continue
-        tactics[name] = (with_tactics(fn, {family: i}), None)
+    tactics = {name: (with_tactics(fn, {family: i}), None)
+               for name, i in candidate_tactics(family, num_groups, sum_m).items()
+               if every_order or not ("_raster" in name or "_swz" in name)}
     times = {k: v for k, v in timer.many(tactics, graph, calls).items() if not isinstance(v, str)}
     for name, ms in times.items():
         row[f"tactic_{name}_ms"] = ms

@@ -7,6 +7,7 @@ import torch
 import cake_ops  # noqa: F401
 from cake_ops import reference
 from cake_ops.fused_moe import interleave_up_gate_sm90
+from moe_problems import ROUTING_CASES, moe_problem
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -29,20 +30,10 @@ def sort_reference(ids, num_experts, num_local, offset, tile):
     return [torch.tensor(v, dtype=torch.int32) for v in (counts, offsets, p2e, e2p, tiles)]
 
 
-CASES = {
-    "balanced": (64, 8, 32, 32, 0),
-    "hot_expert": (50, 2, 8, 8, 0),
-    "ep_shard": (40, 8, 64, 16, 16),
-    "top1": (33, 1, 16, 16, 0),
-    "one_token": (1, 8, 128, 128, 0),
-    "no_tokens": (0, 8, 16, 16, 0),
-}
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(ROUTING_CASES))
 @pytest.mark.parametrize("tile", [64, 128])
 def test_moe_sort_matches_contract(name, tile):
-    t, k, e, e_local, offset = CASES[name]
+    t, k, e, e_local, offset = ROUTING_CASES[name]
     ids = torch.randint(0, e, (t, k), dtype=torch.int32)
     if name == "hot_expert":
         ids[:, 0] = 3
@@ -63,19 +54,8 @@ def run_pipeline(x, ids, scales, w1_interleaved, w2, num_experts, num_local, off
     return torch.ops.cake.moe_finalize(rows, e2p, scales)
 
 
-def moe_problem(t, k, e, e_local, h, inter, device, dtype=torch.bfloat16):
-    x = torch.randn(t, h, device=device).to(dtype)
-    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32).to(device) if t else \
-        torch.zeros(0, k, dtype=torch.int32, device=device)
-    scales = torch.softmax(torch.randn(t, k, device=device), -1)
-    w1 = (torch.randn(e_local, 2 * inter, h, device=device) / h**0.5).to(dtype)
-    w2 = (torch.randn(e_local, h, inter, device=device) / inter**0.5).to(dtype)
-    return x, ids, scales, w1, w2
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU"))])
-@pytest.mark.parametrize("case", [(37, 8, 32, 32, 0), (64, 2, 8, 8, 0), (19, 1, 16, 16, 0), (40, 8, 64, 16, 16),
-                                  (1, 8, 128, 128, 0), (0, 8, 16, 16, 0)])
+@pytest.mark.parametrize("case", list(ROUTING_CASES.values()), ids=list(ROUTING_CASES))
 def test_pipeline_matches_float32_reference(device, case):
     t, k, e, e_local, offset = case
     x, ids, scales, w1, w2 = moe_problem(t, k, e, e_local, 128, 96, device)

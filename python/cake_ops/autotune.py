@@ -79,6 +79,14 @@ def _time_tactics(family: str, candidates: dict, run: Callable[[], object], reps
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def candidate_tactics(family: str, num_groups: int, sum_m: int) -> dict:
+    """{name: index} of the tactics worth timing for such a problem: all but the swap-AB ones
+    where groups are large (they serve a few rows per group and are several times slower there)."""
+    rows_per_group = sum_m // max(num_groups, 1)
+    return {name: i for i, name in enumerate(_C.grouped_gemm_tactics(family))
+            if "swapab" not in name or rows_per_group <= 128}
+
+
 def tuning_active() -> bool:
     """True inside :func:`autotune` (never while torch.compile traces)."""
     return not torch.compiler.is_compiling() and _enabled
@@ -93,17 +101,13 @@ def tune_grouped_gemm(family: str, dims: Callable[[], tuple], run: Callable[[], 
             torch._C._TorchDispatchModeKey.FAKE) is not None:
         return None  # no profiling inside a graph capture or a fake-tensor trace
     try:
-        num_groups, sum_m = dims()[:2]
-        key = _key(family, *dims())
-    except (IndexError, TypeError):
+        num_groups, sum_m, n, k = dims()
+        key = _key(family, num_groups, sum_m, n, k)
+    except (IndexError, TypeError, ValueError):
         return None  # malformed arguments: the op itself raises the clear error
     if key in _tuned:
         return _tuned[key]
-    # Swap-AB tactics serve a few rows per group; on large groups they are several times slower.
-    rows_per_group = sum_m // max(num_groups, 1)
-    candidates = {name: i for i, name in enumerate(_C.grouped_gemm_tactics(family))
-                  if "swapab" not in name or rows_per_group <= 128}
-    times = _time_tactics(family, candidates, run)
+    times = _time_tactics(family, candidate_tactics(family, num_groups, sum_m), run)
     best = min(times, key=times.get)
     _record(key, best)
     return best

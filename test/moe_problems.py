@@ -1,0 +1,25 @@
+"""Routing cases and random MoE problems shared by the MoE op tests and the fused_moe_bf16 tests."""
+import torch
+
+# name -> (num_tokens, top_k, num_experts, num_local_experts, local_expert_offset)
+ROUTING_CASES = {
+    "top8": (37, 8, 32, 32, 0),
+    "top2": (64, 2, 8, 8, 0),
+    "top1": (19, 1, 16, 16, 0),
+    "hot_expert": (48, 2, 8, 8, 0),
+    "ep_shard": (40, 8, 64, 16, 16),
+    "one_token": (1, 8, 128, 128, 0),
+    "no_tokens": (0, 8, 16, 16, 0),
+}
+
+
+def moe_problem(t, k, e, e_local, h, inter, device, dtype=torch.bfloat16):
+    """x [t, h], distinct expert ids per token [t, k] int32, softmax scales [t, k], gate-first w1
+    [e_local, 2 * inter, h] and w2 [e_local, h, inter]."""
+    x = torch.randn(t, h, device=device).to(dtype)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32).to(device) if t else \
+        torch.zeros(0, k, dtype=torch.int32, device=device)
+    scales = torch.softmax(torch.randn(t, k, device=device), -1)
+    w1 = (torch.randn(e_local, 2 * inter, h, device=device) / h**0.5).to(dtype)
+    w2 = (torch.randn(e_local, h, inter, device=device) / inter**0.5).to(dtype)
+    return x, ids, scales, w1, w2

@@ -1,5 +1,6 @@
 #include "moe_checks.h"
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 namespace cake {
@@ -22,6 +23,48 @@ MoeSortShape check_moe_sort(const at::Tensor& ids, int64_t num_experts, int64_t 
   TORCH_CHECK(ids.size(0) * ids.size(1) < (int64_t{1} << 31), op,
               ": num_tokens * top_k must fit in int32, got ", ids.size(0) * ids.size(1));
   return {ids.size(0), ids.size(1), num_local_experts};
+}
+
+MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
+                              const at::Tensor& permuted_to_expanded,
+                              const at::Tensor& expert_offsets, int64_t top_k, const char* op) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be a 2-D [num_tokens, hidden] tensor, got shape ", x.sizes());
+  TORCH_CHECK(w1.dim() == 3 && w1.size(2) == x.size(1) && w1.size(1) % 64 == 0, op,
+              ": w1 must be [E_local, 2I, hidden=", x.size(1), "] with I % 32 == 0, got shape ", w1.sizes());
+  TORCH_CHECK(w1.scalar_type() == x.scalar_type(), op, ": x and w1 must have the same dtype, got ",
+              x.scalar_type(), " and ", w1.scalar_type());
+  TORCH_CHECK(w1.device() == x.device() && permuted_to_expanded.device() == x.device() &&
+                  expert_offsets.device() == x.device(),
+              op, ": all tensors must be on x's device ", x.device());
+  TORCH_CHECK(top_k > 0, op, ": top_k must be positive, got ", top_k);
+  TORCH_CHECK(permuted_to_expanded.dim() == 1 && permuted_to_expanded.size(0) == x.size(0) * top_k &&
+                  permuted_to_expanded.scalar_type() == at::kInt,
+              op, ": permuted_to_expanded must be int32 [num_tokens * top_k] = [", x.size(0) * top_k,
+              "], got ", permuted_to_expanded.scalar_type(), " ", permuted_to_expanded.sizes());
+  TORCH_CHECK(expert_offsets.dim() == 1 && expert_offsets.size(0) == w1.size(0) + 1 &&
+                  expert_offsets.scalar_type() == at::kInt,
+              op, ": expert_offsets must be int32 [E_local + 1] = [", w1.size(0) + 1, "], got ",
+              expert_offsets.scalar_type(), " ", expert_offsets.sizes());
+  return {permuted_to_expanded.size(0), w1.size(1) / 2};
+}
+
+MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
+                                    const at::Tensor& expanded_to_permuted,
+                                    const at::Tensor& token_final_scales, const char* op) {
+  TORCH_CHECK(permuted_rows.dim() == 2, op, ": permuted_rows must be 2-D [rows, hidden], got shape ",
+              permuted_rows.sizes());
+  TORCH_CHECK(token_final_scales.dim() == 2 && token_final_scales.scalar_type() == at::kFloat, op,
+              ": token_final_scales must be float32 [num_tokens, top_k], got ",
+              token_final_scales.scalar_type(), " ", token_final_scales.sizes());
+  const int64_t tokens = token_final_scales.size(0), top_k = token_final_scales.size(1);
+  TORCH_CHECK(expanded_to_permuted.dim() == 1 && expanded_to_permuted.size(0) == tokens * top_k &&
+                  expanded_to_permuted.scalar_type() == at::kInt,
+              op, ": expanded_to_permuted must be int32 [num_tokens * top_k] = [", tokens * top_k, "], got ",
+              expanded_to_permuted.scalar_type(), " ", expanded_to_permuted.sizes());
+  TORCH_CHECK(expanded_to_permuted.device() == permuted_rows.device() &&
+                  token_final_scales.device() == permuted_rows.device(),
+              op, ": all tensors must be on permuted_rows' device ", permuted_rows.device());
+  return {tokens, top_k, permuted_rows.size(1)};
 }
 
 }  // namespace cake

@@ -15,4 +15,23 @@ MoeSortShape check_moe_sort(const at::Tensor& token_selected_experts, int64_t nu
                             int64_t num_local_experts, int64_t local_expert_offset,
                             int64_t tile_size, const char* op);
 
+struct MoeGemm1Shape {
+  int64_t rows = 0;          // T * top_k permuted rows
+  int64_t intermediate = 0;  // I (w1 holds 2I rows)
+};
+
+MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
+                              const at::Tensor& permuted_to_expanded,
+                              const at::Tensor& expert_offsets, int64_t top_k, const char* op);
+
+struct MoeFinalizeShape {
+  int64_t num_tokens = 0;
+  int64_t top_k = 0;
+  int64_t hidden = 0;
+};
+
+MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
+                                    const at::Tensor& expanded_to_permuted,
+                                    const at::Tensor& token_final_scales, const char* op);
+
 }  // namespace cake

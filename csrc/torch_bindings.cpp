@@ -47,15 +47,19 @@ TORCH_LIBRARY(cake, m) {
   // GEMM1 of the MoE with SwiGLU: x [T, H], w1 [E_local, 2I, H] up/gate interleaved at 32 rows
   // (interleave_up_gate_sm90), the moe_sort permutation -> [T * top_k, I] in x's dtype, permuted
   // row p = silu(gate) * up of x[permuted_to_expanded[p] / top_k] @ w1[e].T; rows past the last
-  // expert's end are zeros.
+  // expert's end are zeros. enable_pdl: launch the CUDA kernels with Programmatic Dependent
+  // Launch (numerics unaffected).
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
-      "int top_k) -> Tensor");
+      "int top_k, bool enable_pdl=True) -> Tensor");
+  // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
+  // [T * top_k, H] permuted rows, unscaled; rows past the last expert's end are zeros.
+  m.def("moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True) -> Tensor");
   // Weighted combine into token order: out[t] = sum_j scales[t, j] * permuted_rows[p(t, j)] over
   // the kept routes (expanded_to_permuted >= 0), fp32 in route order, one rounding: [T, H].
   m.def(
-      "moe_finalize(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales) "
-      "-> Tensor");
+      "moe_finalize(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
+      "bool enable_pdl=True) -> Tensor");
 }
 
 namespace {

@@ -1,5 +1,6 @@
-"""The MoE pipeline ops: cake::moe_sort, cake::moe_gemm1_swiglu, cake::moe_finalize, and the SM90
-weight interleave, against the float32 reference MoE."""
+"""The MoE pipeline ops: cake::moe_sort, cake::moe_gemm1_swiglu, cake::moe_gemm2, cake::moe_finalize,
+and the SM90 weight interleave, against the float32 reference MoE; the CUDA kernels also against
+the CPU implementations on the same inputs."""
 import expecttest
 import pytest
 import torch
@@ -16,13 +17,16 @@ def sort_reference(ids, num_experts, num_local, offset, tile):
     """The contract, written out: stable by expanded index within each local expert."""
     flat = ids.flatten().tolist()
     local = [e - offset if 0 <= e < num_experts and offset <= e < offset + num_local else -1 for e in flat]
-    counts = [sum(1 for e in local if e == x) for x in range(num_local)]
+    counts = [0] * num_local
+    for e in local:
+        if e >= 0:
+            counts[e] += 1
     offsets = [0]
     tiles = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
         tiles.append(tiles[-1] + -(-c // tile))
-    p2e = [r for x in range(num_local) for r, e in enumerate(local) if e == x]
+    p2e = [r for _, r in sorted((e, r) for r, e in enumerate(local) if e >= 0)]
     e2p = [-1] * len(flat)
     for p, r in enumerate(p2e):
         e2p[r] = p
@@ -30,31 +34,41 @@ def sort_reference(ids, num_experts, num_local, offset, tile):
     return [torch.tensor(v, dtype=torch.int32) for v in (counts, offsets, p2e, e2p, tiles)]
 
 
-@pytest.mark.parametrize("name", list(ROUTING_CASES))
+# Larger than one warp's segment, and many experts (fewer sorting warps fit in shared memory).
+SORT_CASES = dict(ROUTING_CASES, kimi_ep8_shard=(4096, 8, 384, 48, 96), many_experts=(3000, 4, 4096, 4096, 0),
+                  all_dropped=(50, 4, 64, 8, 56))
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(SORT_CASES))
 @pytest.mark.parametrize("tile", [64, 128])
-def test_moe_sort_matches_contract(name, tile):
-    t, k, e, e_local, offset = ROUTING_CASES[name]
+def test_moe_sort_matches_contract(device, name, tile):
+    t, k, e, e_local, offset = SORT_CASES[name]
     ids = torch.randint(0, e, (t, k), dtype=torch.int32)
+    if name == "all_dropped":
+        ids = ids % 56  # every id below the shard [56, 64)
     if name == "hot_expert":
         ids[:, 0] = 3
     if t > 2:
         ids[1, 0] = -1  # dropped routes (padding ids, ids past num_experts) contribute nothing
         ids[2, k - 1] = e + 5
-    out = torch.ops.cake.moe_sort(ids, e, e_local, offset, tile)
+    out = torch.ops.cake.moe_sort(ids.to(device), e, e_local, offset, tile)
     for got, want in zip(out, sort_reference(ids, e, e_local, offset, tile)):
-        assert torch.equal(got, want)
+        assert got.device.type == device and torch.equal(got.cpu(), want)
 
 
-def run_pipeline(x, ids, scales, w1_interleaved, w2, num_experts, num_local, offset):
-    """sort -> GEMM1 + SwiGLU -> GEMM2 (the grouped GEMM) -> deterministic finalize."""
+def run_pipeline(x, ids, scales, w1_interleaved, w2, num_experts, num_local, offset, pdl=True):
+    """sort -> GEMM1 + SwiGLU -> GEMM2 -> deterministic finalize."""
     top_k = ids.shape[1]
     _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, num_experts, num_local, offset, 128)
-    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_interleaved, p2e, offsets, top_k)
-    rows = torch.ops.cake.grouped_gemm_fwd(inter, w2, offsets)
-    return torch.ops.cake.moe_finalize(rows, e2p, scales)
+    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_interleaved, p2e, offsets, top_k, pdl)
+    rows = torch.ops.cake.moe_gemm2(inter, w2, offsets, pdl)
+    return torch.ops.cake.moe_finalize(rows, e2p, scales, pdl)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU"))])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(ROUTING_CASES.values()), ids=list(ROUTING_CASES))
 def test_pipeline_matches_float32_reference(device, case):
     t, k, e, e_local, offset = case
@@ -66,9 +80,42 @@ def test_pipeline_matches_float32_reference(device, case):
         assert torch.isfinite(out.float()).all()
         err = (out.float() - expected).norm() / expected.norm().clamp_min(1e-30)
         assert err < 2e-2, err
-    # Bitwise reproducible: fixed-order fp32 combine, no atomics.
-    again = run_pipeline(x, ids, scales, interleave_up_gate_sm90(w1), w2, e, e_local, offset)
+    # Bitwise reproducible: fixed-order fp32 combine, no atomics; PDL changes no number.
+    again = run_pipeline(x, ids, scales, interleave_up_gate_sm90(w1), w2, e, e_local, offset, pdl=False)
     assert torch.equal(out, again)
+
+
+@cuda_only
+@pytest.mark.parametrize("case", list(ROUTING_CASES.values()), ids=list(ROUTING_CASES))
+def test_cuda_stages_match_cpu_stages(case):
+    """Each CUDA stage against the CPU implementation on the same inputs."""
+    t, k, e, e_local, offset = case
+    x, ids, scales, w1, w2 = moe_problem(t, k, e, e_local, 128, 96, "cpu")
+    w1 = interleave_up_gate_sm90(w1)
+    _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 64)
+    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k)
+    inter_cuda = torch.ops.cake.moe_gemm1_swiglu(x.cuda(), w1.cuda(), p2e.cuda(), offsets.cuda(), k)
+    # The same fp32 products in another order, then one bf16 rounding each for h and the SwiGLU.
+    torch.testing.assert_close(inter_cuda.cpu(), inter, rtol=2e-2, atol=2e-2)
+    kept = int(offsets[-1])
+    assert torch.equal(inter_cuda[kept:].cpu(), torch.zeros_like(inter[kept:]))
+    rows = torch.ops.cake.moe_gemm2(inter, w2, offsets)
+    rows_cuda = torch.ops.cake.moe_gemm2(inter.cuda(), w2.cuda(), offsets.cuda())
+    torch.testing.assert_close(rows_cuda.cpu(), rows, rtol=2e-2, atol=2e-2)
+    out = torch.ops.cake.moe_finalize(rows, e2p, scales)
+    out_cuda = torch.ops.cake.moe_finalize(rows.cuda(), e2p.cuda(), scales.cuda())
+    torch.testing.assert_close(out_cuda.cpu(), out, rtol=1e-2, atol=1e-5)
+
+
+@cuda_only
+def test_cuda_kernels_reject_what_they_cannot_run():
+    x, ids, scales, w1, w2 = moe_problem(4, 2, 8, 8, 64, 32, "cuda", dtype=torch.float16)
+    _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, 8, 8, 0, 64)
+    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu: CUDA kernels take bfloat16"):
+        torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 2)
+    rows = torch.randn(8, 60, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="cake::moe_finalize: CUDA kernels need hidden % 8 == 0"):
+        torch.ops.cake.moe_finalize(rows[:, :12], e2p, scales)
 
 
 def test_moe_ops_opcheck():
@@ -77,6 +124,8 @@ def test_moe_ops_opcheck():
     x, ids, scales, w1, w2 = moe_problem(12, 4, 16, 16, 64, 32, "cpu")
     _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, 16, 16, 0, 64)
     torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu, (x, interleave_up_gate_sm90(w1), p2e, offsets, 4))
+    inter = torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 4)
+    torch.library.opcheck(torch.ops.cake.moe_gemm2, (inter, w2, offsets))
     rows = torch.randn(48, 64).bfloat16()
     torch.library.opcheck(torch.ops.cake.moe_finalize, (rows, e2p, scales))
 

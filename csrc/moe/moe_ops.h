@@ -1,10 +1,9 @@
-// The MoE pipeline ops written once with ATen ops and the grouped GEMM op, so they run on every
-// backend without a host synchronisation (no value leaves the device). They define the
-// semantics; fused Hopper kernels replace the CUDA registrations stage by stage (issue 4).
+// The MoE pipeline ops written with ATen ops and the grouped GEMM op: the CPU implementations,
+// which define the semantics (enable_pdl has no meaning there). The CUDA kernels are in
+// cuda/moe/moe_cuda.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <tuple>
 
@@ -16,15 +15,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort(
 
 at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
-                            int64_t top_k);
+                            int64_t top_k, bool enable_pdl);
+
+at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
+                     bool enable_pdl);
 
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
-                        const at::Tensor& token_final_scales);
-
-inline void register_moe_ops(torch::Library& m) {
-  m.impl("moe_sort", &moe_sort);
-  m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu);
-  m.impl("moe_finalize", &moe_finalize);
-}
+                        const at::Tensor& token_final_scales, bool enable_pdl);
 
 }  // namespace cake

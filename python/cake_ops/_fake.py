@@ -137,7 +137,7 @@ def _moe_sort_fake(token_selected_experts, num_experts, num_local_experts, local
 
 
 @register_fake("cake::moe_gemm1_swiglu")
-def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k):
+def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True):
     op = "cake::moe_gemm1_swiglu"
     _check(x.dim() == 2 and w1.dim() == 3, f"{op}: x must be [num_tokens, hidden] and w1 [E_local, 2I, hidden]")
     _check(w1.shape[2] == x.shape[1] and w1.shape[1] % 64 == 0,
@@ -147,8 +147,13 @@ def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k):
     return x.new_empty((x.shape[0] * top_k, w1.shape[1] // 2))
 
 
+@register_fake("cake::moe_gemm2")
+def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True):
+    return intermediate.new_empty(check_fwd(intermediate, w2, expert_offsets, "cake::moe_gemm2"))
+
+
 @register_fake("cake::moe_finalize")
-def _moe_finalize_fake(permuted_rows, expanded_to_permuted, token_final_scales):
+def _moe_finalize_fake(permuted_rows, expanded_to_permuted, token_final_scales, enable_pdl=True):
     op = "cake::moe_finalize"
     _check(permuted_rows.dim() == 2 and token_final_scales.dim() == 2,
            f"{op}: permuted_rows must be [rows, hidden] and token_final_scales [num_tokens, top_k]")

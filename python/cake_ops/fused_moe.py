@@ -150,12 +150,12 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     tile = tile_size or default_tile_size(num_tokens, top_k, num_local, intermediate)
     _, offsets, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
         ids, num_experts, num_local, local_expert_offset, tile)
-    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k)
+    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl)
     if intermediate_buffer is not None:
         intermediate_buffer.copy_(inter)
         inter = intermediate_buffer
-    rows = torch.ops.cake.grouped_gemm_fwd(inter, w2_weight, offsets)
-    out = torch.ops.cake.moe_finalize(rows, expanded_to_permuted, scales)
+    rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl)
+    out = torch.ops.cake.moe_finalize(rows, expanded_to_permuted, scales, enable_pdl)
     if moe_output is not None:
         moe_output.copy_(out)
         return moe_output

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "cuda/common/arch.h"
+#include "cuda/grouped_gemm/grouped_gemm_cuda.h"
 #include "cuda/grouped_gemm/grouped_gemm_tactics.h"
 #include "grouped_gemm_ops.h"
 
@@ -43,8 +44,8 @@ void check_workspace(const at::Tensor& workspace, const GroupedGemmShape& s, con
               workspace.nbytes(), " bytes on ", workspace.device());
 }
 
-void launch(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
-            const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op) {
+void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
+                 const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op, bool pdl) {
   check_cuda_operands(s, a, b, out, op);
   check_workspace(workspace, s, a, op);
   c10::cuda::CUDAGuard guard(a.device());
@@ -69,6 +70,7 @@ void launch(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::T
   p.workspace_bytes = static_cast<int64_t>(workspace.nbytes());
   p.device = a.get_device();
   p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
+  p.pdl = pdl;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.device);
   switch (arch) {
     case KernelArch::kSm90: {
@@ -82,6 +84,13 @@ void launch(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::T
   }
 }
 
+// The grouped GEMM ops launch with PDL: the prologue waits for whatever ran before on the
+// device, and the GEMM for the prologue, so the chain overlaps launch latencies only.
+void launch(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
+            const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op) {
+  launch_with(kind, s, a, b, offs, out, workspace, op, /*pdl=*/true);
+}
+
 struct CudaBackend {
   static at::Tensor workspace(const GroupedGemmShape& s, const at::Tensor& like) {
     return at::empty({grouped_gemm_workspace_bytes(s.num_groups)}, like.options().dtype(at::kByte));
@@ -90,6 +99,12 @@ struct CudaBackend {
 };
 
 }  // namespace
+
+void run_grouped_gemm_cuda(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
+                           const at::Tensor& offs, at::Tensor& out, const char* op, bool pdl) {
+  auto workspace = CudaBackend::workspace(s, a);
+  launch_with(kind, s, a, b, offs, out, workspace, op, pdl);
+}
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   GroupedGemmOps<CudaBackend>::register_kernels(m);

@@ -30,6 +30,9 @@ struct GroupedGemmParams {
   // weight tile) or along N, in swizzled blocks of `swizzle` tiles (1, 2, 4 or 8).
   bool raster_along_n = false;
   int swizzle = 1;
+  // Launch the prologue and the GEMM with Programmatic Dependent Launch: each starts while its
+  // predecessor finishes and waits for it on the device (pdl.cuh).
+  bool pdl = false;
 };
 
 using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);

@@ -21,6 +21,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
 
+#include "cuda/common/pdl.cuh"
 #include "cuda/grouped_gemm/grouped_gemm_launch.h"
 #include "grouped_gemm_checks.h"
 
@@ -50,6 +51,18 @@ struct Cooperative {
 struct Pingpong {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// CUTLASS's SM90 ptr-array kernels do not wait for their predecessor themselves, so a launch
+// with PDL (GroupedGemmParams::pdl) would race with the prologue that writes their arguments:
+// this kernel waits first, then lets its successor launch.
+template <class Base>
+struct WaitForPredecessor : Base {
+  CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem) {
+    pdl_wait();
+    pdl_launch_dependents();
+    Base::operator()(params, smem);
+  }
 };
 
 // The GEMM each kind runs per group g (rows [s, t) of the packed operands, expert e), in
@@ -92,8 +105,8 @@ struct GroupedGemmConfig {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
 
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel = WaitForPredecessor<
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -135,6 +148,8 @@ __device__ inline void zero_bytes(char* base, int64_t begin, int64_t end, int64_
 template <class Config>
 __global__ void __launch_bounds__(kPrologueThreads)
     prepare_groups_kernel(GroupedGemmParams p, GroupArrays<Config> arr) {
+  pdl_wait();
+  pdl_launch_dependents();
   constexpr Kind kKind = Config::op;
   using ElementIn = typename Config::ElementIn;
   using ElementOut = typename Config::ElementOut;
@@ -249,8 +264,7 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
                           ws.take<typename Config::StrideD>(E)};
 
   dim3 grid(kZeroBlocksPerGroup, static_cast<unsigned>(std::max<int64_t>(E, 1)));
-  prepare_groups_kernel<Config><<<grid, kPrologueThreads, 0, stream>>>(p, arr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(prepare_groups_kernel<Config>, grid, dim3(kPrologueThreads), 0, stream, p.pdl, p, arr);
   if (E == 0) return;
 
   cutlass::KernelHardwareInfo hw_info;
@@ -283,7 +297,7 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   status = gemm.initialize(args, cutlass_workspace, stream);
   TORCH_CHECK(status == cutlass::Status::kSuccess, "cake grouped GEMM: CUTLASS initialize failed: ",
               cutlassGetStatusString(status));
-  status = gemm.run(stream);
+  status = gemm.run(stream, nullptr, p.pdl);
   TORCH_CHECK(status == cutlass::Status::kSuccess, "cake grouped GEMM: CUTLASS launch failed: ",
               cutlassGetStatusString(status));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

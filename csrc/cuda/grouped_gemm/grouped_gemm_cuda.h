@@ -1,0 +1,17 @@
+// The grouped GEMM on the GPU for other ops' CUDA kernels (the MoE GEMMs): the same kernel
+// checks, tactic choice and launch as the grouped GEMM ops, into a caller-owned output.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "grouped_gemm_checks.h"
+
+namespace cake {
+
+// `s` from check_fwd / check_dgrad / check_wgrad; allocates the launch's workspace. With `pdl`
+// the launch may overlap its predecessor's tail (GroupedGemmParams::pdl).
+void run_grouped_gemm_cuda(GroupedGemmOp kind, const GroupedGemmShape& s, const at::Tensor& a,
+                           const at::Tensor& b, const at::Tensor& offs, at::Tensor& out,
+                           const char* op, bool pdl);
+
+}  // namespace cake

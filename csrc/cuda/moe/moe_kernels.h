@@ -1,0 +1,49 @@
+// Host launchers of the MoE CUDA kernels (moe_sm90.cu). No CUTLASS and no ATen here: raw device
+// pointers, sizes and the stream. Every launcher takes `pdl` (launch_kernel in pdl.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace cake::sm90 {
+
+// The largest E_local the one-block sort kernel takes (one counter per expert and warp in
+// shared memory).
+constexpr int64_t kMoeSortMaxLocalExperts = 32768;
+
+struct MoeSortArgs {
+  const int32_t* ids = nullptr;  // [routes] global expert ids, expanded order (t * top_k + j)
+  int64_t routes = 0;
+  int num_experts = 0;
+  int num_local_experts = 0;
+  int local_expert_offset = 0;
+  int tile_size = 0;
+  int32_t* counts = nullptr;                // [E_local]
+  int32_t* offsets = nullptr;               // [E_local + 1]
+  int32_t* permuted_to_expanded = nullptr;  // [routes], -1 past the last kept route
+  int32_t* expanded_to_permuted = nullptr;  // [routes], -1 for dropped routes
+  int32_t* tile_offsets = nullptr;          // [E_local + 1]
+};
+void moe_sort(const MoeSortArgs& a, cudaStream_t stream, bool pdl);
+
+// gathered[p] = x[permuted_to_expanded[p] / top_k] for the kept rows p < *num_kept; the rest
+// of `gathered` is left untouched (the grouped GEMM reads no row past the last group end). An
+// index outside [0, rows) is a device-side error.
+void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_to_expanded,
+                     int top_k, const int32_t* num_kept, int64_t rows, void* gathered,
+                     cudaStream_t stream, bool pdl);
+
+// out[p, j] = silu(gate) * up of h[p] ([rows, 2I], up/gate interleaved at 32 columns), in fp32,
+// rounded once to the element type; rows p >= *num_kept get zeros.
+void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* num_kept, void* out,
+                bool is_bf16, cudaStream_t stream, bool pdl);
+
+// out[t] = sum_j scales[t, j] * rows[expanded_to_permuted[t * top_k + j]] over kept routes, in
+// fp32 in route order (bitwise reproducible), rounded once. A route index outside
+// [-1, num_rows) is a device-side error.
+void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expanded_to_permuted,
+                  const float* scales, int64_t tokens, int top_k, int64_t num_rows, void* out, bool is_bf16,
+                  cudaStream_t stream, bool pdl);
+
+}  // namespace cake::sm90

@@ -1,0 +1,294 @@
+// The MoE routing and data-movement kernels around the grouped GEMMs: the token sort, the row
+// gather of GEMM1's operand, the SwiGLU of GEMM1's output and the deterministic combine. All
+// read sizes that depend on the routing from the device (no host synchronisation) and wait for
+// their predecessor with PDL (pdl.cuh).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cassert>
+
+#include <algorithm>
+
+#include <c10/util/Exception.h>
+
+#include "cuda/common/pdl.cuh"
+#include "cuda/moe/moe_kernels.h"
+
+namespace cake::sm90 {
+namespace {
+
+// ---- sort -------------------------------------------------------------------------------------
+// One block. Warp w owns one contiguous segment of the routes; pass 1 counts each expert's
+// routes per warp, a scan turns the counts into each (expert, warp) start, pass 2 places every
+// route at its start plus its rank among the earlier lanes of the same expert. Rows of an expert
+// keep expanded order, so the permutation is deterministic.
+constexpr int kSortThreads = 1024;
+constexpr int kSortMaxWarps = kSortThreads / 32;
+constexpr int64_t kSortSmemBudget = 200 * 1024;
+
+int sort_warps(int64_t num_local) {
+  const int64_t warps = (kSortSmemBudget - 4 * (num_local + 1)) / (4 * num_local);
+  return static_cast<int>(std::clamp<int64_t>(warps, 1, kSortMaxWarps));
+}
+
+__device__ __forceinline__ int local_key(int32_t id, const MoeSortArgs& a) {
+  const int local = id - a.local_expert_offset;
+  const bool kept = id >= 0 && id < a.num_experts && local >= 0 && local < a.num_local_experts;
+  return kept ? local : -1;
+}
+
+__global__ void __launch_bounds__(kSortThreads) moe_sort_kernel(MoeSortArgs a, int warps) {
+  extern __shared__ int32_t smem[];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int E = a.num_local_experts;
+  int32_t* warp_base = smem;                 // [warps][E]: counts, then starts within the expert
+  int32_t* expert_start = smem + warps * E;  // [E + 1]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int i = tid; i < warps * E; i += blockDim.x) warp_base[i] = 0;
+  __syncthreads();
+
+  const bool sorter = warp < warps;
+  const int64_t segment = ((a.routes + warps - 1) / warps + 31) / 32 * 32;
+  const int64_t begin = warp * segment;
+  const int64_t end = std::min(a.routes, begin + segment);
+  int32_t* mine = warp_base + (sorter ? warp : 0) * E;
+  if (sorter) {
+    for (int64_t base = begin; base < end; base += 32) {
+      const int64_t r = base + lane;
+      const int key = r < end ? local_key(a.ids[r], a) : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, key);
+      if (key >= 0 && lane == __ffs(peers) - 1) mine[key] += __popc(peers);
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int c = warp_base[w * E + e];
+      warp_base[w * E + e] = run;
+      run += c;
+    }
+    expert_start[e] = run;  // the expert's total until the scan below
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int carry = 0, tile_carry = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + lane;
+      const int count = e < E ? expert_start[e] : 0;
+      const int tiles = (count + a.tile_size - 1) / a.tile_size;
+      int incl = count, tile_incl = tiles;
+      for (int d = 1; d < 32; d *= 2) {
+        const int up = __shfl_up_sync(0xffffffffu, incl, d);
+        const int tile_up = __shfl_up_sync(0xffffffffu, tile_incl, d);
+        if (lane >= d) {
+          incl += up;
+          tile_incl += tile_up;
+        }
+      }
+      if (e < E) {
+        a.counts[e] = count;
+        a.offsets[e + 1] = carry + incl;
+        a.tile_offsets[e + 1] = tile_carry + tile_incl;
+        expert_start[e] = carry + incl - count;
+      }
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+      tile_carry += __shfl_sync(0xffffffffu, tile_incl, 31);
+    }
+    if (lane == 0) {
+      a.offsets[0] = 0;
+      a.tile_offsets[0] = 0;
+      expert_start[E] = carry;
+    }
+  }
+  __syncthreads();
+  if (sorter) {
+    for (int64_t base = begin; base < end; base += 32) {
+      const int64_t r = base + lane;
+      const int key = r < end ? local_key(a.ids[r], a) : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, key);
+      if (key >= 0) {
+        const int pos = expert_start[key] + mine[key] + __popc(peers & ((1u << lane) - 1));
+        a.permuted_to_expanded[pos] = static_cast<int32_t>(r);
+        a.expanded_to_permuted[r] = pos;
+      } else if (r < end) {
+        a.expanded_to_permuted[r] = -1;
+      }
+      __syncwarp();
+      if (key >= 0 && lane == __ffs(peers) - 1) mine[key] += __popc(peers);
+      __syncwarp();
+    }
+  }
+  for (int64_t i = expert_start[E] + tid; i < a.routes; i += blockDim.x) a.permuted_to_expanded[i] = -1;
+}
+
+// ---- gather -----------------------------------------------------------------------------------
+constexpr int kGatherRowsPerBlock = 8;  // one warp per row
+
+__global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
+    moe_gather_kernel(const uint4* x, int64_t row_vecs, const int32_t* permuted_to_expanded, int top_k,
+                      const int32_t* num_kept, int64_t rows, uint4* gathered) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t row = int64_t(blockIdx.x) * kGatherRowsPerBlock + threadIdx.x / 32;
+  if (row >= rows || row >= *num_kept) return;
+  const int32_t expanded = permuted_to_expanded[row];
+  if (expanded < 0 || expanded >= rows) {
+    __assert_fail("cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices in [0, num_tokens * top_k) "
+                  "for the rows below expert_offsets[E]", __FILE__, __LINE__, __func__);
+  }
+  const int64_t token = expanded / top_k;
+  const uint4* src = x + token * row_vecs;
+  uint4* dst = gathered + row * row_vecs;
+  for (int64_t i = threadIdx.x % 32; i < row_vecs; i += 32) dst[i] = src[i];
+}
+
+// ---- element conversions (8 values per 16 bytes) ----------------------------------------------
+template <class T>
+struct Vec8;
+template <>
+struct Vec8<__nv_bfloat16> {
+  static __device__ void load(const uint4& v, float* f) {
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = __bfloat1622float2(h[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  static __device__ uint4 store(const float* f) {
+    uint4 v;
+    auto* h = reinterpret_cast<__nv_bfloat162*>(&v);
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return v;
+  }
+};
+template <>
+struct Vec8<__half> {
+  static __device__ void load(const uint4& v, float* f) {
+    const auto* h = reinterpret_cast<const __half2*>(&v);
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = __half22float2(h[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  static __device__ uint4 store(const float* f) {
+    uint4 v;
+    auto* h = reinterpret_cast<__half2*>(&v);
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    return v;
+  }
+};
+
+// ---- SwiGLU -----------------------------------------------------------------------------------
+constexpr int kElementwiseThreads = 256;
+
+// A 64-column chunk of h is 8 vectors: up in vectors 0-3, gate in 4-7 (32-row interleave).
+template <class T>
+__global__ void __launch_bounds__(kElementwiseThreads)
+    moe_swiglu_kernel(const uint4* h, int64_t rows, int64_t inter_vecs, const int32_t* num_kept, uint4* out) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t kept = std::min<int64_t>(*num_kept, rows);
+  const int64_t total = rows * inter_vecs;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / inter_vecs, v = i % inter_vecs;
+    if (row >= kept) {
+      out[i] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    const uint4* chunk = h + row * 2 * inter_vecs + (v / 4) * 8;
+    float up[8], gate[8], r[8];
+    Vec8<T>::load(chunk[v % 4], up);
+    Vec8<T>::load(chunk[4 + v % 4], gate);
+    for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(__fdiv_rn(gate[j], 1.0f + expf(-gate[j])), up[j]);
+    out[i] = Vec8<T>::store(r);
+  }
+}
+
+// ---- finalize ---------------------------------------------------------------------------------
+constexpr int kFinalizeThreads = 128;
+
+template <class T>
+__global__ void __launch_bounds__(kFinalizeThreads)
+    moe_finalize_kernel(const uint4* rows, int64_t hidden_vecs, const int32_t* expanded_to_permuted,
+                        const float* scales, int top_k, int64_t num_rows, uint4* out) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t t = blockIdx.x;
+  for (int64_t v = threadIdx.x; v < hidden_vecs; v += blockDim.x) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < top_k; ++j) {
+      const int32_t p = expanded_to_permuted[t * top_k + j];
+      if (p < 0) continue;
+      if (p >= num_rows) {
+        __assert_fail("cake::moe_finalize: expanded_to_permuted must hold -1 or row indices below permuted_rows.size(0)",
+                      __FILE__, __LINE__, __func__);
+      }
+      const float s = scales[t * top_k + j];
+      float val[8];
+      Vec8<T>::load(rows[int64_t(p) * hidden_vecs + v], val);
+      // Explicit roundings: no contraction into FMA, the same sum on every build.
+      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(s, val[i]));
+    }
+    out[t * hidden_vecs + v] = Vec8<T>::store(acc);
+  }
+}
+
+int elementwise_blocks(int64_t work) {
+  return static_cast<int>(std::clamp<int64_t>((work + kElementwiseThreads - 1) / kElementwiseThreads, 1, 132 * 16));
+}
+
+}  // namespace
+
+void moe_sort(const MoeSortArgs& a, cudaStream_t stream, bool pdl) {
+  TORCH_CHECK(a.num_local_experts >= 1 && a.num_local_experts <= kMoeSortMaxLocalExperts,
+              "cake::moe_sort: at most ", kMoeSortMaxLocalExperts, " local experts on CUDA, got ",
+              a.num_local_experts);
+  const int warps = sort_warps(a.num_local_experts);
+  const size_t smem = sizeof(int32_t) * (size_t(warps) * a.num_local_experts + a.num_local_experts + 1);
+  static const bool configured = [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(moe_sort_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kSortSmemBudget + 1024)));
+    return true;
+  }();
+  (void)configured;
+  launch_kernel(moe_sort_kernel, dim3(1), dim3(kSortThreads), smem, stream, pdl, a, warps);
+}
+
+void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_to_expanded, int top_k,
+                     const int32_t* num_kept, int64_t rows, void* gathered, cudaStream_t stream, bool pdl) {
+  if (rows == 0 || row_bytes == 0) return;
+  TORCH_CHECK(row_bytes % 16 == 0, "cake MoE gather: rows must be 16-byte multiples (internal error)");
+  const int64_t blocks = (rows + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock;
+  launch_kernel(moe_gather_kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * kGatherRowsPerBlock), 0,
+                stream, pdl, static_cast<const uint4*>(x), row_bytes / 16, permuted_to_expanded, top_k,
+                num_kept, rows, static_cast<uint4*>(gathered));
+}
+
+void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* num_kept, void* out, bool is_bf16,
+                cudaStream_t stream, bool pdl) {
+  if (rows == 0 || inter == 0) return;
+  TORCH_CHECK(inter % 32 == 0, "cake MoE SwiGLU: I must be a multiple of 32 (internal error)");
+  const int64_t inter_vecs = inter / 8;
+  const dim3 grid(elementwise_blocks(rows * inter_vecs));
+  auto kernel = is_bf16 ? moe_swiglu_kernel<__nv_bfloat16> : moe_swiglu_kernel<__half>;
+  launch_kernel(kernel, grid, dim3(kElementwiseThreads), 0, stream, pdl, static_cast<const uint4*>(h), rows,
+                inter_vecs, num_kept, static_cast<uint4*>(out));
+}
+
+void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expanded_to_permuted,
+                  const float* scales, int64_t tokens, int top_k, int64_t num_rows, void* out, bool is_bf16,
+                  cudaStream_t stream, bool pdl) {
+  if (tokens == 0 || hidden == 0) return;
+  TORCH_CHECK(hidden % 8 == 0, "cake MoE finalize: hidden must be a multiple of 8 (internal error)");
+  auto kernel = is_bf16 ? moe_finalize_kernel<__nv_bfloat16> : moe_finalize_kernel<__half>;
+  launch_kernel(kernel, dim3(static_cast<unsigned>(tokens)), dim3(kFinalizeThreads), 0, stream, pdl,
+                static_cast<const uint4*>(permuted_rows), hidden / 8, expanded_to_permuted, scales, top_k, num_rows,
+                static_cast<uint4*>(out));
+}
+
+}  // namespace cake::sm90

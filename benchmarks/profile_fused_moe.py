@@ -12,7 +12,46 @@ import torch
 import cake_ops
 from bench_fused_moe import MODELS
 from cake_ops.fused_moe import fused_moe_bf16
-from kernel_times import kernel_means
+
+
+def kernels_in_order(fn, iters):
+    """(short name, mean us) of each kernel of one replay of fn's CUDA graph, in launch order (GEMM1
+    and GEMM2 stay apart even when they run the same configuration), and the mean replay time.
+    With PDL a kernel's span includes its wait for its predecessor."""
+    g = torch.cuda.CUDAGraph()
+    fn()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            g.replay()
+        torch.cuda.synchronize()
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    per_replay = len(events) // iters
+    spans = [[0.0, ""] for _ in range(per_replay)]
+    for i, ev in enumerate(events[:per_replay * iters]):
+        spans[i % per_replay][0] += ev.device_time_total / iters
+        spans[i % per_replay][1] = ev.name
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return [(short_name(name), us) for us, name in spans], start.elapsed_time(end) * 1e3 / iters
+
+
+def short_name(name):
+    if "GemmUniversal" in name:
+        return "grouped GEMM (CUTLASS)"
+    for word in ("moe_sort", "moe_gather", "moe_swiglu", "moe_finalize", "prepare_groups"):
+        if word in name:
+            return word
+    return name[:60]
 
 
 def main():
@@ -21,6 +60,7 @@ def main():
     p.add_argument("--tokens", default="1,16,256,4096")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--deterministic", action="store_true", help="use_fused_finalize=False")
+    p.add_argument("--no-pdl", dest="pdl", action="store_false", help="enable_pdl=False: kernel spans without waits")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     for name in args.models.split(","):
@@ -32,15 +72,15 @@ def main():
             ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)]).int().cuda()
             scales = torch.softmax(torch.randn(t, k, device="cuda"), -1)
             out = torch.empty_like(x)
-            kernels, us = kernel_means(lambda: fused_moe_bf16(
+            kernels, us = kernels_in_order(lambda: fused_moe_bf16(
                 x, ids, scales, w1, w2, e, k, e_local, offset, moe_output=out,
-                use_fused_finalize=not args.deterministic), args.iters)
+                use_fused_finalize=not args.deterministic, enable_pdl=args.pdl), args.iters)
             local = ids[(ids >= offset) & (ids < offset + e_local)]
-            floor_us = local.unique().numel() * 3 * h * i * 2 / 4.8e12 * 1e6
+            floor_us = max(local.unique().numel() * 3 * h * i * 2 / 4.8e12 * 1e6, 1e-9)
             tflops = 2 * local.numel() * 3 * h * i / us / 1e6
             print(f"{name} T={t}: {us:8.1f} us per replay, weight floor {floor_us:6.1f} us (x{us / floor_us:.2f}), "
-                  f"{tflops:6.1f} TFLOP/s; kernels (us):")
-            for kname, kus in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                  f"{tflops:6.1f} TFLOP/s; kernels in launch order (us):")
+            for kname, kus in kernels:
                 print(f"    {kus:8.1f}  {kname}")
 
 

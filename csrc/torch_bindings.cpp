@@ -75,7 +75,7 @@ PyObject* workspace_size(PyObject*, PyObject* arg) {
 }
 
 #ifdef CAKE_WITH_CUDA
-// Tactic names of a family ("fwd", "dgrad", "wgrad", "wgrad_f32"), in tactic-number order.
+// Tactic names of a family ("fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16"), in tactic-number order.
 PyObject* grouped_gemm_tactics(PyObject*, PyObject* arg) {
   const char* family = PyUnicode_AsUTF8(arg);
   if (family == nullptr) return nullptr;

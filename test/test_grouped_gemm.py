@@ -345,6 +345,8 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
     ("fwd", 4, 112576, 4096, 6144, "fwd_bf16_coop_128x256x64_c1x2_rasterN_swz4"),  # large groups
     ("fwd", 4, 112576, 4352, 6144, "fwd_bf16_coop_128x256x64_c2x1"),              # 17 N tiles
     ("fwd", 4, 112576, 6144, 2048, "fwd_bf16_ping_128x128x64_c1x1_rasterN"),      # w[e] fits in L2
+    ("fwd_f16", 128, 128, 1536, 2048, "fwd_f16_swapab_coop_128x32x128_c1x1"),     # float16: same rules
+    ("fwd_f16", 4, 112576, 4096, 6144, "fwd_f16_coop_128x256x64_c1x2_rasterN_swz4"),
     ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_coop_128x256x64_c1x2_rasterN_swz4"),
     ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1"),          # 3 N tiles
     ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4"),
@@ -535,16 +537,18 @@ def test_64bit_indexing():
 
 
 @cuda_only
-@pytest.mark.parametrize("family", ["fwd", "dgrad", "wgrad", "wgrad_f32"])
+@pytest.mark.parametrize("family", ["fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16"])
 def test_every_kernel_configuration_matches_float64(family):
     # Each tactic is its own kernel: check all of them, not only the heuristic's choice.
     sizes = [0, 1, 130, 7, 0, 300, 64, 1000]
-    x = rand(sum(sizes) + 9, 264, dtype=torch.bfloat16, device="cuda")
-    w = rand(len(sizes), 136, 264, dtype=torch.bfloat16, device="cuda")
-    g = rand(x.shape[0], 136, dtype=torch.bfloat16, device="cuda")
+    dtype = torch.float16 if family == "fwd_f16" else torch.bfloat16
+    x = rand(sum(sizes) + 9, 264, dtype=dtype, device="cuda")
+    w = rand(len(sizes), 136, 264, dtype=dtype, device="cuda")
+    g = rand(x.shape[0], 136, dtype=dtype, device="cuda")
     offs = make_offs(sizes, "cuda")
     run, expected = {
         "fwd": (lambda: gg.grouped_gemm_fwd(x, w, offs), ref.grouped_gemm_fwd(x, w, offs)),
+        "fwd_f16": (lambda: gg.grouped_gemm_fwd(x, w, offs), ref.grouped_gemm_fwd(x, w, offs)),
         "dgrad": (lambda: gg.grouped_gemm_dgrad(g, w, offs), ref.grouped_gemm_dgrad(g, w, offs)),
         "wgrad": (lambda: gg.grouped_gemm_wgrad(g, x, offs), ref.grouped_gemm_wgrad(g, x, offs, len(sizes))),
         "wgrad_f32": (lambda: gg.grouped_gemm_wgrad(g, x, offs, out_dtype=torch.float32),
@@ -576,8 +580,8 @@ def test_cuda_errors():
         torch.ops.cake.grouped_gemm_fwd(x, w, offs)
     with pytest.raises(RuntimeError, match=r"cake::grouped_gemm_fwd: x and w must be on the same device, got cuda:0 and cpu"):
         torch.ops.cake.grouped_gemm_fwd(x, w.cpu(), offs.cuda())
-    with pytest.raises(RuntimeError, match=r"cake::grouped_gemm_fwd: CUDA kernels take bfloat16 operands, got Half"):
-        torch.ops.cake.grouped_gemm_fwd(x.half(), w.half(), offs.cuda())
+    with pytest.raises(RuntimeError, match=r"cake::grouped_gemm_dgrad: CUDA kernels take bfloat16 operands \(fwd also float16\), got Half"):
+        torch.ops.cake.grouped_gemm_dgrad(x[:, :8].half(), w.half(), offs.cuda())
     with pytest.raises(RuntimeError, match=r"cake::grouped_gemm_fwd: CUDA kernels need N and K to be multiples of 8.*N=8 and K=12"):
         torch.ops.cake.grouped_gemm_fwd(x[:, :12].contiguous(), w[:, :, :12].contiguous(), offs.cuda())
 
@@ -622,7 +626,7 @@ def test_grouped_gemm_kernels_are_hopper_wgmma():
     functions = proc.stdout.split("Function : ")[1:]
     gemms = [f for f in functions if "GemmUniversal" in f.split("\n")[0]]
     # One kernel per configuration; each configuration appears as several tactics (tile orders).
-    expected = len({name.split("_raster")[0].split("_swz")[0] for f in ("fwd", "dgrad", "wgrad", "wgrad_f32")
+    expected = len({name.split("_raster")[0].split("_swz")[0] for f in ("fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16")
                     for name in cake_ops._C.grouped_gemm_tactics(f)})
     assert len(gemms) == expected, f"expected {expected} grouped GEMM kernels, found {len(gemms)}"
     for body in gemms:

@@ -86,11 +86,12 @@ def test_pipeline_matches_float32_reference(device, case):
 
 
 @cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(ROUTING_CASES.values()), ids=list(ROUTING_CASES))
-def test_cuda_stages_match_cpu_stages(case):
+def test_cuda_stages_match_cpu_stages(case, dtype):
     """Each CUDA stage against the CPU implementation on the same inputs."""
     t, k, e, e_local, offset = case
-    x, ids, scales, w1, w2 = moe_problem(t, k, e, e_local, 128, 96, "cpu")
+    x, ids, scales, w1, w2 = moe_problem(t, k, e, e_local, 128, 96, "cpu", dtype)
     w1 = interleave_up_gate_sm90(w1)
     _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 64)
     inter = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k)
@@ -109,9 +110,9 @@ def test_cuda_stages_match_cpu_stages(case):
 
 @cuda_only
 def test_cuda_kernels_reject_what_they_cannot_run():
-    x, ids, scales, w1, w2 = moe_problem(4, 2, 8, 8, 64, 32, "cuda", dtype=torch.float16)
+    x, ids, scales, w1, w2 = moe_problem(4, 2, 8, 8, 64, 32, "cuda", dtype=torch.float32)
     _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, 8, 8, 0, 64)
-    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu: CUDA kernels take bfloat16"):
+    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu: CUDA kernels take bfloat16 or float16"):
         torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 2)
     rows = torch.randn(8, 60, device="cuda").bfloat16()
     with pytest.raises(RuntimeError, match="cake::moe_finalize: CUDA kernels need hidden % 8 == 0"):

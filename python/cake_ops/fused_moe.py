@@ -2,15 +2,18 @@
 
 ``fused_moe_bf16`` has the specification's signature, semantics, defaults and shape rules. It is
 built from the ``torch.ops.cake`` MoE ops: ``moe_sort`` (counts, offsets, permutation, tiles, on
-the device) -> ``moe_gemm1_swiglu`` -> ``grouped_gemm_fwd`` (GEMM2) -> ``moe_finalize``
-(router-scaled combine in float32, fixed order). No value leaves the device, so a call never
-synchronises and can be captured in a CUDA graph or traced by ``torch.compile(fullgraph=True)``.
+the device) -> ``moe_gemm1_swiglu`` -> ``moe_gemm2`` -> ``moe_finalize`` (router-scaled combine in
+float32, fixed order). No value leaves the device, so a call never synchronises and can be
+captured in a CUDA graph or traced by ``torch.compile(fullgraph=True)``.
 
-Status (issue 4): the stages are not fused yet. GEMM2 is the SM90 grouped GEMM; the gather and
-SwiGLU of GEMM1 run as ATen kernels around it; both ``use_fused_finalize`` values run the
-deterministic combine (so the output is bitwise reproducible either way); the tile, cluster,
-raster and PDL settings are validated by the specification's rules and take effect with the
-fused kernels. On CUDA the grouped GEMM takes bfloat16 only (float16 runs on the CPU).
+On the GPU (SM90) each stage is a CUDA kernel: a one-block stable token sort, a row gather, the
+grouped GEMM (bf16 or fp16), a SwiGLU pass, the grouped GEMM again and the fixed-order combine;
+with ``enable_pdl`` (default) every kernel of the chain launches with Programmatic Dependent
+Launch. Status (issue 4): the gather and SwiGLU are not yet fused into GEMM1's mainloop and
+epilogue, and both ``use_fused_finalize`` values run the deterministic combine (so the output is
+bitwise reproducible either way); the tile, cluster and raster overrides are validated by the
+specification's rules but the grouped GEMM's own tactic choice (heuristic or ``cake_ops.autotune``)
+decides the tiles.
 """
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tens
     """
     warn_experimental(_FEATURE)
     bounds = _bounds("grouped_gemm_fwd", offs, m_indptr, w.shape[0])
-    return _tuned_call("fwd", torch.ops.cake.grouped_gemm_fwd, (x, w, bounds),
+    return _tuned_call(_fwd_family(x.dtype), torch.ops.cake.grouped_gemm_fwd, (x, w, bounds),
                        lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
 
 
@@ -106,6 +106,10 @@ def grouped_gemm_wgrad(grad_out: torch.Tensor, x: torch.Tensor, offs: Optional[t
     args = (grad_out, x, _bounds("grouped_gemm_wgrad", offs, m_indptr, None), num_groups, out_dtype)
     return _tuned_call(_wgrad_family(out_dtype), torch.ops.cake.grouped_gemm_wgrad, args,
                        lambda: (num_groups, x.shape[0], grad_out.shape[1], x.shape[1]))
+
+
+def _fwd_family(dtype):
+    return "fwd_f16" if dtype == torch.float16 else "fwd"
 
 
 def _wgrad_family(out_dtype):
@@ -192,7 +196,7 @@ class CakeGroupedMm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs, deterministic=True):
         _fwd_setup_context(ctx, (x, w, offs), None)
-        return _tuned_call("fwd", torch.ops.cake.grouped_gemm_fwd, (x, w, offs),
+        return _tuned_call(_fwd_family(x.dtype), torch.ops.cake.grouped_gemm_fwd, (x, w, offs),
                            lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
 
     @staticmethod

@@ -20,10 +20,10 @@ bool aligned16(const at::Tensor& t) {
 }
 
 // What the Hopper kernels need beyond the shared checks.
-void check_cuda_operands(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
+void check_cuda_operands(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                          const at::Tensor& out, const char* op) {
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16, op,
-              ": CUDA kernels take bfloat16 operands, got ", a.scalar_type(),
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 || (kind == Op::kFwd && a.scalar_type() == at::kHalf), op,
+              ": CUDA kernels take bfloat16 operands (fwd also float16), got ", a.scalar_type(),
               " (the CPU implementation also takes float16, float32 and float64)");
   TORCH_CHECK(s.n % 8 == 0 && s.k % 8 == 0, op,
               ": CUDA kernels need N and K to be multiples of 8 (16-byte rows for TMA), got N=", s.n,
@@ -45,8 +45,9 @@ void check_workspace(const at::Tensor& workspace, const GroupedGemmShape& s, con
 }
 
 void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
-                 const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op, bool pdl) {
-  check_cuda_operands(s, a, b, out, op);
+                 const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op, bool pdl,
+                 bool zero_tail) {
+  check_cuda_operands(kind, s, a, b, out, op);
   check_workspace(workspace, s, a, op);
   c10::cuda::CUDAGuard guard(a.device());
   const KernelArch arch = select_kernel_arch(a.get_device(), op);
@@ -71,6 +72,7 @@ void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
   p.device = a.get_device();
   p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
   p.pdl = pdl;
+  p.zero_tail = zero_tail;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.device);
   switch (arch) {
     case KernelArch::kSm90: {
@@ -88,7 +90,7 @@ void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
 // device, and the GEMM for the prologue, so the chain overlaps launch latencies only.
 void launch(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
             const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op) {
-  launch_with(kind, s, a, b, offs, out, workspace, op, /*pdl=*/true);
+  launch_with(kind, s, a, b, offs, out, workspace, op, /*pdl=*/true, /*zero_tail=*/true);
 }
 
 struct CudaBackend {
@@ -101,9 +103,9 @@ struct CudaBackend {
 }  // namespace
 
 void run_grouped_gemm_cuda(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
-                           const at::Tensor& offs, at::Tensor& out, const char* op, bool pdl) {
+                           const at::Tensor& offs, at::Tensor& out, const char* op, bool pdl, bool zero_tail) {
   auto workspace = CudaBackend::workspace(s, a);
-  launch_with(kind, s, a, b, offs, out, workspace, op, pdl);
+  launch_with(kind, s, a, b, offs, out, workspace, op, pdl, zero_tail);
 }
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {

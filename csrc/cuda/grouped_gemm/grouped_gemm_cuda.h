@@ -9,9 +9,10 @@
 namespace cake {
 
 // `s` from check_fwd / check_dgrad / check_wgrad; allocates the launch's workspace. With `pdl`
-// the launch may overlap its predecessor's tail (GroupedGemmParams::pdl).
+// the launch may overlap its predecessor's tail; without `zero_tail` fwd/dgrad leave the rows
+// past the last group end unwritten (GroupedGemmParams).
 void run_grouped_gemm_cuda(GroupedGemmOp kind, const GroupedGemmShape& s, const at::Tensor& a,
                            const at::Tensor& b, const at::Tensor& offs, at::Tensor& out,
-                           const char* op, bool pdl);
+                           const char* op, bool pdl, bool zero_tail);
 
 }  // namespace cake

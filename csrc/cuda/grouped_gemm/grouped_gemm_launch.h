@@ -33,6 +33,9 @@ struct GroupedGemmParams {
   // Launch the prologue and the GEMM with Programmatic Dependent Launch: each starts while its
   // predecessor finishes and waits for it on the device (pdl.cuh).
   bool pdl = false;
+  // fwd/dgrad: zero the output rows past the last group end (the ops' contract). Internal
+  // callers whose consumers never read those rows (the MoE GEMMs) skip the writes.
+  bool zero_tail = true;
 };
 
 using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);

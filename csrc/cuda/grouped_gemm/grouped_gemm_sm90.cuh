@@ -77,7 +77,9 @@ template <Kind kKind, class ElementOut_, class TileShape_, class ClusterShape_, 
 struct GroupedGemmConfig {
   static constexpr Kind kind = kKind;
   static constexpr Kind op = op_of(kKind);
-  using ElementIn = cutlass::bfloat16_t;
+  // bf16 inputs, except for the float16 configurations (half_t output).
+  using ElementIn = std::conditional_t<std::is_same_v<ElementOut_, cutlass::half_t>, cutlass::half_t,
+                                       cutlass::bfloat16_t>;
   using ElementOut = ElementOut_;
   using ElementAccumulator = float;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
@@ -143,8 +145,9 @@ __device__ inline void zero_bytes(char* base, int64_t begin, int64_t end, int64_
   }
 }
 
-// grid (kZeroBlocksPerGroup, max(E, 1)): block (0, e) thread 0 writes group e's arguments; all
-// blocks zero what no group writes (fwd/dgrad: rows past the last end; wgrad: dw of empty groups).
+// grid (kZeroBlocksPerGroup, max(E, 1)): block (0, e) thread 0 writes group e's arguments; the
+// blocks zero what no group writes (fwd/dgrad: all of them, rows past the last end; wgrad: the
+// blocks of an empty group, its dw).
 template <class Config>
 __global__ void __launch_bounds__(kPrologueThreads)
     prepare_groups_kernel(GroupedGemmParams p, GroupArrays<Config> arr) {
@@ -220,12 +223,13 @@ __global__ void __launch_bounds__(kPrologueThreads)
       const int64_t bytes = p.n * p.k * int64_t(sizeof(ElementOut));
       zero_bytes(static_cast<char*>(p.out) + e * bytes, 0, bytes, thread, threads);
     }
-  } else if (e == 0) {
+  } else if (p.zero_tail) {
+    // Every block shares the tail: it can be most of the output (expert-parallel MoE shards).
     const int64_t last_end = p.num_groups > 0 ? ends[p.num_groups - 1] : 0;
     const int64_t row_bytes = (kKind == Kind::kFwd ? p.n : p.k) * int64_t(sizeof(ElementOut));
     if (last_end >= 0 && last_end < p.sum_m) {
-      zero_bytes(static_cast<char*>(p.out), last_end * row_bytes, p.sum_m * row_bytes, thread,
-                 threads);
+      zero_bytes(static_cast<char*>(p.out), last_end * row_bytes, p.sum_m * row_bytes,
+                 int64_t(blockIdx.y) * threads + thread, threads * gridDim.y);
     }
   }
 }

@@ -12,7 +12,7 @@
 namespace cake {
 namespace {
 
-std::array<std::atomic<int>, static_cast<int>(TacticFamily::kCount)> g_override{-1, -1, -1, -1};
+std::array<std::atomic<int>, static_cast<int>(TacticFamily::kCount)> g_override{-1, -1, -1, -1, -1};
 
 using BucketKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;  // family, E, rows, N, K
 std::mutex g_tuned_mutex;
@@ -27,8 +27,9 @@ BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s) {
 std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
   std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> tables;
   auto add = [&](const char* name, GroupedGemmLaunchFn fn) {
-    // The name starts with the family: fwd_bf16_, dgrad_bf16_, wgrad_bf16_, wgrad_f32_.
-    TacticFamily family = std::strncmp(name, "fwd_", 4) == 0     ? TacticFamily::kFwdBf16
+    // The name starts with the family: fwd_bf16_, dgrad_bf16_, wgrad_bf16_, wgrad_f32_, fwd_f16_.
+    TacticFamily family = std::strncmp(name, "fwd_f16_", 8) == 0 ? TacticFamily::kFwdF16
+                          : std::strncmp(name, "fwd_", 4) == 0     ? TacticFamily::kFwdBf16
                           : std::strncmp(name, "dgrad_", 6) == 0 ? TacticFamily::kDgradBf16
                           : std::strncmp(name, "wgrad_f32", 9) == 0 ? TacticFamily::kWgradF32
                                                                     : TacticFamily::kWgradBf16;
@@ -68,7 +69,7 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
   constexpr int kFamilies = static_cast<int>(TacticFamily::kCount);
   static const auto choices = [] {
     std::array<HeuristicChoices, kFamilies> c{};
-    const char* prefixes[kFamilies] = {"fwd_bf16_", "dgrad_bf16_", "wgrad_bf16_", "wgrad_f32_"};
+    const char* prefixes[kFamilies] = {"fwd_bf16_", "dgrad_bf16_", "wgrad_bf16_", "wgrad_f32_", "fwd_f16_"};
     for (int f = 0; f < kFamilies; ++f) {
       const auto fam = static_cast<TacticFamily>(f);
       auto named = [&](const char* rest) { return find(fam, std::string(prefixes[f]) + rest); };
@@ -76,6 +77,7 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
       const int coop_1x2 = named("coop_128x256x64_c1x2_rasterN_swz4");
       switch (fam) {
         case TacticFamily::kFwdBf16:
+        case TacticFamily::kFwdF16:
           c[f] = {named("swapab_coop_128x32x128_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1,
                   named("ping_128x128x64_c1x1_rasterN")};
           break;
@@ -96,7 +98,7 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
 TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType out_dtype) {
   switch (op) {
     case GroupedGemmOp::kFwd:
-      return TacticFamily::kFwdBf16;
+      return out_dtype == at::kHalf ? TacticFamily::kFwdF16 : TacticFamily::kFwdBf16;
     case GroupedGemmOp::kDgrad:
       return TacticFamily::kDgradBf16;
     case GroupedGemmOp::kWgrad:
@@ -110,7 +112,8 @@ TacticFamily tactic_family(const std::string& name) {
   if (name == "dgrad") return TacticFamily::kDgradBf16;
   if (name == "wgrad") return TacticFamily::kWgradBf16;
   if (name == "wgrad_f32") return TacticFamily::kWgradF32;
-  TORCH_CHECK(false, "grouped GEMM tactics: family must be fwd, dgrad, wgrad or wgrad_f32, got '",
+  if (name == "fwd_f16") return TacticFamily::kFwdF16;
+  TORCH_CHECK(false, "grouped GEMM tactics: family must be fwd, dgrad, wgrad, wgrad_f32 or fwd_f16, got '",
               name, "'");
 }
 
@@ -148,7 +151,8 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
     return c.large_groups_weight_in_l2;
   }
   // The tile's N side: fwd N, dgrad K, wgrad K (the output is [N, K] per group).
-  const int64_t n_extent = family == TacticFamily::kFwdBf16 ? s.n : s.k;
+  const bool fwd = family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16;
+  const int64_t n_extent = fwd ? s.n : s.k;
   const bool n_tiles_pair = ((n_extent + 255) / 256) % 2 == 0;
   return n_tiles_pair ? c.large_groups : c.large_groups_odd;
 }

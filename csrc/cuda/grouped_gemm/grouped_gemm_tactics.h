@@ -11,8 +11,8 @@
 
 namespace cake {
 
-// Configurations are grouped by what they compute: op and output dtype.
-enum class TacticFamily { kFwdBf16, kDgradBf16, kWgradBf16, kWgradF32, kCount };
+// Configurations are grouped by what they compute: op and dtypes (fp16: fwd only).
+enum class TacticFamily { kFwdBf16, kDgradBf16, kWgradBf16, kWgradF32, kFwdF16, kCount };
 
 // A kernel configuration and the scheduler's tile order (a run-time choice, no extra kernel).
 struct Tactic {
@@ -23,7 +23,7 @@ struct Tactic {
 };
 
 TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType out_dtype);
-// "fwd", "dgrad", "wgrad", "wgrad_f32" -> family; throws on anything else.
+// "fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16" -> family; throws on anything else.
 TacticFamily tactic_family(const std::string& name);
 const std::vector<Tactic>& tactics_sm90(TacticFamily family);
 // The forced tactic of the family (set_tactic_override), else the autotuned tactic of the shape

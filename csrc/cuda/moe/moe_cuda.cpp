@@ -19,10 +19,10 @@ bool aligned16(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-// The element types the SM90 MoE GEMMs take (the grouped GEMM kernels are bf16).
+// The element types of the SM90 MoE GEMMs.
 void check_gemm_dtype(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": CUDA kernels take bfloat16 activations and weights, got ",
-              x.scalar_type(), " (float16 runs on the CPU implementation only)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
+              ": CUDA kernels take bfloat16 or float16 activations and weights, got ", x.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort_cuda(
@@ -77,10 +77,12 @@ at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x_in, const at::Tensor& w1, c
                         static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
   const auto shape = check_fwd(gathered, w1, expert_offsets, op);
   auto h = at::empty({s.rows, 2 * s.intermediate}, x.options());
-  run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl);
+  // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
+  run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
+                        /*zero_tail=*/false);
   auto out = at::empty({s.rows, s.intermediate}, x.options());
-  sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, num_kept, out.data_ptr(), /*is_bf16=*/true, stream,
-                   enable_pdl);
+  sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, num_kept, out.data_ptr(),
+                   x.scalar_type() == at::kBFloat16, stream, enable_pdl);
   return out;
 }
 
@@ -91,7 +93,8 @@ at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, 
   check_gemm_dtype(intermediate, op);
   c10::cuda::CUDAGuard guard(intermediate.device());
   auto out = at::empty({shape.sum_m, shape.n}, intermediate.options());
-  run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, intermediate, w2, expert_offsets, out, op, enable_pdl);
+  run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, intermediate, w2, expert_offsets, out, op, enable_pdl,
+                        /*zero_tail=*/true);
   return out;
 }
 

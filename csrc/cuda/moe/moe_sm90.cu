@@ -37,6 +37,24 @@ __device__ __forceinline__ int local_key(int32_t id, const MoeSortArgs& a) {
   return kept ? local : -1;
 }
 
+// kSortUnroll chunks of 32 routes per step: their loads are in flight together (a warp walks its
+// segment serially, so one load at a time would leave it waiting on memory latency).
+constexpr int kSortUnroll = 8;
+
+__device__ __forceinline__ void load_keys(const MoeSortArgs& a, int64_t base, int64_t end, int lane,
+                                          int (&keys)[kSortUnroll]) {
+  int32_t ids[kSortUnroll];
+#pragma unroll
+  for (int u = 0; u < kSortUnroll; ++u) {
+    const int64_t r = base + 32 * u + lane;
+    ids[u] = r < end ? __ldg(a.ids + r) : -1;
+  }
+#pragma unroll
+  for (int u = 0; u < kSortUnroll; ++u) {
+    keys[u] = base + 32 * u + lane < end ? local_key(ids[u], a) : -1;
+  }
+}
+
 __global__ void __launch_bounds__(kSortThreads) moe_sort_kernel(MoeSortArgs a, int warps) {
   extern __shared__ int32_t smem[];
   pdl_wait();
@@ -49,16 +67,20 @@ __global__ void __launch_bounds__(kSortThreads) moe_sort_kernel(MoeSortArgs a, i
   __syncthreads();
 
   const bool sorter = warp < warps;
-  const int64_t segment = ((a.routes + warps - 1) / warps + 31) / 32 * 32;
+  constexpr int kStep = 32 * kSortUnroll;
+  const int64_t segment = ((a.routes + warps - 1) / warps + kStep - 1) / kStep * kStep;
   const int64_t begin = warp * segment;
   const int64_t end = std::min(a.routes, begin + segment);
   int32_t* mine = warp_base + (sorter ? warp : 0) * E;
   if (sorter) {
-    for (int64_t base = begin; base < end; base += 32) {
-      const int64_t r = base + lane;
-      const int key = r < end ? local_key(a.ids[r], a) : -1;
-      const unsigned peers = __match_any_sync(0xffffffffu, key);
-      if (key >= 0 && lane == __ffs(peers) - 1) mine[key] += __popc(peers);
+    for (int64_t base = begin; base < end; base += 32 * kSortUnroll) {
+      int keys[kSortUnroll];
+      load_keys(a, base, end, lane, keys);
+#pragma unroll
+      for (int u = 0; u < kSortUnroll; ++u) {
+        const unsigned peers = __match_any_sync(0xffffffffu, keys[u]);
+        if (keys[u] >= 0 && lane == __ffs(peers) - 1) mine[keys[u]] += __popc(peers);
+      }
     }
   }
   __syncthreads();
@@ -104,20 +126,25 @@ __global__ void __launch_bounds__(kSortThreads) moe_sort_kernel(MoeSortArgs a, i
   }
   __syncthreads();
   if (sorter) {
-    for (int64_t base = begin; base < end; base += 32) {
-      const int64_t r = base + lane;
-      const int key = r < end ? local_key(a.ids[r], a) : -1;
-      const unsigned peers = __match_any_sync(0xffffffffu, key);
-      if (key >= 0) {
-        const int pos = expert_start[key] + mine[key] + __popc(peers & ((1u << lane) - 1));
-        a.permuted_to_expanded[pos] = static_cast<int32_t>(r);
-        a.expanded_to_permuted[r] = pos;
-      } else if (r < end) {
-        a.expanded_to_permuted[r] = -1;
+    for (int64_t base = begin; base < end; base += 32 * kSortUnroll) {
+      int keys[kSortUnroll];
+      load_keys(a, base, end, lane, keys);
+#pragma unroll
+      for (int u = 0; u < kSortUnroll; ++u) {
+        const int64_t r = base + 32 * u + lane;
+        const int key = keys[u];
+        const unsigned peers = __match_any_sync(0xffffffffu, key);
+        if (key >= 0) {
+          const int pos = expert_start[key] + mine[key] + __popc(peers & ((1u << lane) - 1));
+          a.permuted_to_expanded[pos] = static_cast<int32_t>(r);
+          a.expanded_to_permuted[r] = pos;
+        } else if (r < end) {
+          a.expanded_to_permuted[r] = -1;
+        }
+        __syncwarp();
+        if (key >= 0 && lane == __ffs(peers) - 1) mine[key] += __popc(peers);
+        __syncwarp();
       }
-      __syncwarp();
-      if (key >= 0 && lane == __ffs(peers) - 1) mine[key] += __popc(peers);
-      __syncwarp();
     }
   }
   for (int64_t i = expert_start[E] + tid; i < a.routes; i += blockDim.x) a.permuted_to_expanded[i] = -1;
@@ -139,9 +166,21 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
                   "for the rows below expert_offsets[E]", __FILE__, __LINE__, __func__);
   }
   const int64_t token = expanded / top_k;
-  const uint4* src = x + token * row_vecs;
-  uint4* dst = gathered + row * row_vecs;
-  for (int64_t i = threadIdx.x % 32; i < row_vecs; i += 32) dst[i] = src[i];
+  const uint4* __restrict__ src = x + token * row_vecs;
+  uint4* __restrict__ dst = gathered + row * row_vecs;
+  // Up to kCopyUnroll loads in flight per lane before the stores.
+  constexpr int kCopyUnroll = 8;
+  for (int64_t i0 = threadIdx.x % 32; i0 < row_vecs; i0 += 32 * kCopyUnroll) {
+    uint4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (i0 + 32 * u < row_vecs) v[u] = __ldg(src + i0 + 32 * u);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (i0 + 32 * u < row_vecs) dst[i0 + 32 * u] = v[u];
+    }
+  }
 }
 
 // ---- element conversions (8 values per 16 bytes) ----------------------------------------------
@@ -183,63 +222,83 @@ struct Vec8<__half> {
 };
 
 // ---- SwiGLU -----------------------------------------------------------------------------------
-constexpr int kElementwiseThreads = 256;
+// block (32, kSwigluRows): threadIdx.x walks the 16-byte output vectors of a row, threadIdx.y rows.
+constexpr int kSwigluRows = 8;
 
 // A 64-column chunk of h is 8 vectors: up in vectors 0-3, gate in 4-7 (32-row interleave).
 template <class T>
-__global__ void __launch_bounds__(kElementwiseThreads)
-    moe_swiglu_kernel(const uint4* h, int64_t rows, int64_t inter_vecs, const int32_t* num_kept, uint4* out) {
+__global__ void __launch_bounds__(32 * kSwigluRows)
+    moe_swiglu_kernel(const uint4* __restrict__ h, int64_t rows, int64_t inter_vecs, const int32_t* num_kept,
+                      uint4* __restrict__ out) {
   pdl_wait();
   pdl_launch_dependents();
   const int64_t kept = std::min<int64_t>(*num_kept, rows);
-  const int64_t total = rows * inter_vecs;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / inter_vecs, v = i % inter_vecs;
+  const int64_t v = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  if (v >= inter_vecs) return;
+  for (int64_t row = int64_t(blockIdx.y) * kSwigluRows + threadIdx.y; row < rows;
+       row += int64_t(gridDim.y) * kSwigluRows) {
+    uint4* dst = out + row * inter_vecs + v;
     if (row >= kept) {
-      out[i] = make_uint4(0, 0, 0, 0);
+      *dst = make_uint4(0, 0, 0, 0);
       continue;
     }
     const uint4* chunk = h + row * 2 * inter_vecs + (v / 4) * 8;
     float up[8], gate[8], r[8];
-    Vec8<T>::load(chunk[v % 4], up);
-    Vec8<T>::load(chunk[4 + v % 4], gate);
+    Vec8<T>::load(__ldg(chunk + v % 4), up);
+    Vec8<T>::load(__ldg(chunk + 4 + v % 4), gate);
+#pragma unroll
     for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(__fdiv_rn(gate[j], 1.0f + expf(-gate[j])), up[j]);
-    out[i] = Vec8<T>::store(r);
+    *dst = Vec8<T>::store(r);
   }
 }
 
 // ---- finalize ---------------------------------------------------------------------------------
 constexpr int kFinalizeThreads = 128;
+constexpr int kFinalizeMaxTopK = 64;  // routes per token staged in shared memory
 
 template <class T>
 __global__ void __launch_bounds__(kFinalizeThreads)
-    moe_finalize_kernel(const uint4* rows, int64_t hidden_vecs, const int32_t* expanded_to_permuted,
-                        const float* scales, int top_k, int64_t num_rows, uint4* out) {
+    moe_finalize_kernel(const uint4* __restrict__ rows, int64_t hidden_vecs, const int32_t* expanded_to_permuted,
+                        const float* scales, int top_k, int64_t num_rows, uint4* __restrict__ out) {
+  __shared__ int32_t route_row[kFinalizeMaxTopK];
+  __shared__ float route_scale[kFinalizeMaxTopK];
   pdl_wait();
   pdl_launch_dependents();
   const int64_t t = blockIdx.x;
+  if (threadIdx.x < top_k) {
+    const int32_t p = expanded_to_permuted[t * top_k + threadIdx.x];
+    if (p >= num_rows || p < -1) {
+      __assert_fail("cake::moe_finalize: expanded_to_permuted must hold -1 or row indices below permuted_rows.size(0)",
+                    __FILE__, __LINE__, __func__);
+    }
+    route_row[threadIdx.x] = p;
+    route_scale[threadIdx.x] = scales[t * top_k + threadIdx.x];
+  }
+  __syncthreads();
   for (int64_t v = threadIdx.x; v < hidden_vecs; v += blockDim.x) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t p = expanded_to_permuted[t * top_k + j];
-      if (p < 0) continue;
-      if (p >= num_rows) {
-        __assert_fail("cake::moe_finalize: expanded_to_permuted must hold -1 or row indices below permuted_rows.size(0)",
-                      __FILE__, __LINE__, __func__);
+    // The k rows' loads go out together; the sum then runs in route order.
+    constexpr int kUnroll = 8;
+    for (int j0 = 0; j0 < top_k; j0 += kUnroll) {
+      uint4 val[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u;
+        if (j < top_k && route_row[j] >= 0) val[u] = __ldg(rows + int64_t(route_row[j]) * hidden_vecs + v);
       }
-      const float s = scales[t * top_k + j];
-      float val[8];
-      Vec8<T>::load(rows[int64_t(p) * hidden_vecs + v], val);
-      // Explicit roundings: no contraction into FMA, the same sum on every build.
-      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(s, val[i]));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u;
+        if (j >= top_k || route_row[j] < 0) continue;
+        float f[8];
+        Vec8<T>::load(val[u], f);
+        // Explicit roundings: no contraction into FMA, the same sum on every build.
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(route_scale[j], f[i]));
+      }
     }
     out[t * hidden_vecs + v] = Vec8<T>::store(acc);
   }
-}
-
-int elementwise_blocks(int64_t work) {
-  return static_cast<int>(std::clamp<int64_t>((work + kElementwiseThreads - 1) / kElementwiseThreads, 1, 132 * 16));
 }
 
 }  // namespace
@@ -274,9 +333,10 @@ void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* num_k
   if (rows == 0 || inter == 0) return;
   TORCH_CHECK(inter % 32 == 0, "cake MoE SwiGLU: I must be a multiple of 32 (internal error)");
   const int64_t inter_vecs = inter / 8;
-  const dim3 grid(elementwise_blocks(rows * inter_vecs));
+  const dim3 grid(static_cast<unsigned>((inter_vecs + 31) / 32),
+                  static_cast<unsigned>(std::min<int64_t>((rows + kSwigluRows - 1) / kSwigluRows, 65535)));
   auto kernel = is_bf16 ? moe_swiglu_kernel<__nv_bfloat16> : moe_swiglu_kernel<__half>;
-  launch_kernel(kernel, grid, dim3(kElementwiseThreads), 0, stream, pdl, static_cast<const uint4*>(h), rows,
+  launch_kernel(kernel, grid, dim3(32, kSwigluRows), 0, stream, pdl, static_cast<const uint4*>(h), rows,
                 inter_vecs, num_kept, static_cast<uint4*>(out));
 }
 
@@ -285,6 +345,8 @@ void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expa
                   cudaStream_t stream, bool pdl) {
   if (tokens == 0 || hidden == 0) return;
   TORCH_CHECK(hidden % 8 == 0, "cake MoE finalize: hidden must be a multiple of 8 (internal error)");
+  TORCH_CHECK(top_k <= kFinalizeMaxTopK, "cake::moe_finalize: CUDA kernels take top_k <= ", kFinalizeMaxTopK,
+              ", got ", top_k);
   auto kernel = is_bf16 ? moe_finalize_kernel<__nv_bfloat16> : moe_finalize_kernel<__half>;
   launch_kernel(kernel, dim3(static_cast<unsigned>(tokens)), dim3(kFinalizeThreads), 0, stream, pdl,
                 static_cast<const uint4*>(permuted_rows), hidden / 8, expanded_to_permuted, scales, top_k, num_rows,

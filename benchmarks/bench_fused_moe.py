@@ -115,7 +115,8 @@ def run(args):
             best = row.get("cake_fused_graph_ms", row.get("cake_fused_ms"))
             floor = max(row["weight_floor_ms"], row["flop_floor_ms"])
             if best:
-                row["cake_x_floor"] = best / floor
+                # No route into the shard (an EP rank at T=1): no floor to compare with.
+                row["cake_x_floor"] = best / floor if floor > 0 else None
                 row["cake_tflops"] = flops / best / 1e9
                 if "torch_ms" in row:
                     row["speedup_vs_torch"] = row["torch_ms"] / best

@@ -67,4 +67,15 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
   return {tokens, top_k, permuted_rows.size(1)};
 }
 
+void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, const at::Tensor& permuted_rows,
+                            const char* op) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == s.num_tokens && out.size(1) == s.hidden, op,
+              ": out must have shape [num_tokens, hidden] = [", s.num_tokens, ", ", s.hidden, "], got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == permuted_rows.scalar_type(), op, ": out must have permuted_rows' dtype ",
+              permuted_rows.scalar_type(), ", got ", out.scalar_type());
+  TORCH_CHECK(out.device() == permuted_rows.device(), op, ": out must be on permuted_rows' device ",
+              permuted_rows.device(), ", got ", out.device());
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+}
+
 }  // namespace cake

@@ -34,4 +34,8 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
                                     const at::Tensor& expanded_to_permuted,
                                     const at::Tensor& token_final_scales, const char* op);
 
+// A caller-owned combine output: [num_tokens, hidden], permuted_rows' dtype and device, contiguous.
+void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, const at::Tensor& permuted_rows,
+                            const char* op);
+
 }  // namespace cake

@@ -53,13 +53,19 @@ TORCH_LIBRARY(cake, m) {
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True) -> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
-  // [T * top_k, H] permuted rows, unscaled; rows past the last expert's end are zeros.
+  // [T * top_k, H] permuted rows, unscaled. Rows past the last expert's end belong to no route
+  // and are left unwritten on CUDA (moe_finalize never reads them; with expert parallelism they
+  // are most of the tensor).
   m.def("moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True) -> Tensor");
   // Weighted combine into token order: out[t] = sum_j scales[t, j] * permuted_rows[p(t, j)] over
   // the kept routes (expanded_to_permuted >= 0), fp32 in route order, one rounding: [T, H].
   m.def(
       "moe_finalize(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
       "bool enable_pdl=True) -> Tensor");
+  // The same into a caller-owned [T, H] tensor of permuted_rows' dtype (fused_moe_bf16's moe_output).
+  m.def(
+      "moe_finalize_out(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
+      "Tensor(a!) out, bool enable_pdl=True) -> ()");
 }
 
 namespace {

@@ -97,6 +97,28 @@ def test_compiles_fullgraph_on_gpu(mode):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="the autotuner times kernels on the GPU")
+def test_autotune_tunes_both_gemms_and_keeps_the_winners(tmp_path):
+    import cake_ops
+    from cake_ops import autotune as tuner
+    x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", "cuda", torch.bfloat16)
+    w1 = interleave_up_gate_sm90(w1)
+    expected = fused_moe_bf16(x, ids, scales, w1, w2, e, k)
+    cache = tmp_path / "tuning.json"
+    cake_ops.clear_tuning()
+    try:
+        with cake_ops.autotune(cache_file=str(cache)):
+            tuned = fused_moe_bf16(x, ids, scales, w1, w2, e, k)
+        rows, (h, inter) = x.shape[0] * k, (x.shape[1], w2.shape[2])
+        keys = {tuner._key("fwd", e, rows, 2 * inter, h), tuner._key("fwd", e, rows, h, inter)}
+        assert keys <= set(tuner._tuned) and cache.exists()
+        after = fused_moe_bf16(x, ids, scales, w1, w2, e, k)  # outside the context: the winners
+        for out in (tuned, after):
+            assert (out.float() - expected.float()).norm() / expected.float().norm() < 1e-2
+    finally:
+        cake_ops.clear_tuning()
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="PDL is a CUDA launch attribute")
 def test_pdl_changes_no_number():
     x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", "cuda", torch.bfloat16)

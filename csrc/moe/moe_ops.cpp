@@ -74,11 +74,20 @@ at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expan
   return (rows * scales.unsqueeze(-1)).sum(1).to(permuted_rows.scalar_type());
 }
 
+void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
+                      const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl) {
+  const char* op = "cake::moe_finalize_out";
+  const auto s = check_moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, op);
+  check_moe_finalize_out(out, s, permuted_rows, op);
+  out.copy_(moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, enable_pdl));
+}
+
 TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_sort", &moe_sort);
   m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu);
   m.impl("moe_gemm2", &moe_gemm2);
   m.impl("moe_finalize", &moe_finalize);
+  m.impl("moe_finalize_out", &moe_finalize_out);
 }
 
 }  // namespace cake

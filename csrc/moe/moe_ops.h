@@ -23,4 +23,7 @@ at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                         const at::Tensor& token_final_scales, bool enable_pdl);
 
+void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
+                      const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl);
+
 }  // namespace cake

@@ -159,3 +159,12 @@ def _moe_finalize_fake(permuted_rows, expanded_to_permuted, token_final_scales, 
            f"{op}: permuted_rows must be [rows, hidden] and token_final_scales [num_tokens, top_k]")
     _check(token_final_scales.dtype == torch.float32, f"{op}: token_final_scales must be float32")
     return permuted_rows.new_empty((token_final_scales.shape[0], permuted_rows.shape[1]))
+
+
+@register_fake("cake::moe_finalize_out")
+def _moe_finalize_out_fake(permuted_rows, expanded_to_permuted, token_final_scales, out, enable_pdl=True):
+    op = "cake::moe_finalize_out"
+    expected = _moe_finalize_fake(permuted_rows, expanded_to_permuted, token_final_scales)
+    _check(out.shape == expected.shape and out.dtype == permuted_rows.dtype and out.device == permuted_rows.device,
+           f"{op}: out must be [num_tokens, hidden] = {list(expected.shape)} of permuted_rows' dtype and device, "
+           f"got {list(out.shape)} {out.dtype} on {out.device}")

@@ -12,8 +12,9 @@ with ``enable_pdl`` (default) every kernel of the chain launches with Programmat
 Launch. Status (issue 4): the gather and SwiGLU are not yet fused into GEMM1's mainloop and
 epilogue, and both ``use_fused_finalize`` values run the deterministic combine (so the output is
 bitwise reproducible either way); the tile, cluster and raster overrides are validated by the
-specification's rules but the grouped GEMM's own tactic choice (heuristic or ``cake_ops.autotune``)
-decides the tiles.
+specification's rules but the grouped GEMM's own tactic choice decides the tiles: the heuristic,
+or inside ``cake_ops.autotune()`` the fastest of every tactic, timed per shape bucket of each GEMM
+and kept (in memory, and in the context's cache file) for later calls, graphs and compiled code.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._experimental import warn_experimental
+from .autotune import tune_grouped_gemm, tuning_active
 
 __all__ = ["default_tile_size", "fused_moe_bf16", "interleave_up_gate_sm90"]
 
@@ -153,13 +155,26 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     tile = tile_size or default_tile_size(num_tokens, top_k, num_local, intermediate)
     _, offsets, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
         ids, num_experts, num_local, local_expert_offset, tile)
+    # Inside cake_ops.autotune(), a new shape bucket first times every tactic of each GEMM (the
+    # grouped GEMM's tactic table, keyed by E_local, T * top_k rounded up, N and K); explicit
+    # overrides bypass the tuner.
+    overrides = (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
+                 gemm2_raster_along_m, intermediate_buffer)
+    tune = tuning_active() and x.is_cuda and all(o is None for o in overrides)
+    family = "fwd_f16" if x.dtype == torch.float16 else "fwd"
+    rows = num_tokens * top_k
+    if tune:
+        tune_grouped_gemm(family, lambda: (num_local, rows, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
+            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl), x.device)
     inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl)
+    if tune:
+        tune_grouped_gemm(family, lambda: (num_local, rows, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
+            inter, w2_weight, offsets, enable_pdl), x.device)
     if intermediate_buffer is not None:
         intermediate_buffer.copy_(inter)
         inter = intermediate_buffer
     rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl)
-    out = torch.ops.cake.moe_finalize(rows, expanded_to_permuted, scales, enable_pdl)
     if moe_output is not None:
-        moe_output.copy_(out)
+        torch.ops.cake.moe_finalize_out(rows, expanded_to_permuted, scales, moe_output, enable_pdl)
         return moe_output
-    return out
+    return torch.ops.cake.moe_finalize(rows, expanded_to_permuted, scales, enable_pdl)

@@ -53,7 +53,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort_
   a.expanded_to_permuted = expanded_to_permuted.data_ptr<int32_t>();
   a.tile_offsets = tile_offsets.data_ptr<int32_t>();
   // moe_sort is the first kernel of the chain: it waits for whatever wrote the ids.
-  sm90::moe_sort(a, at::cuda::getCurrentCUDAStream(ids.get_device()), /*pdl=*/true);
+  const int64_t blocks = sm90::moe_sort_blocks(routes, num_local_experts);
+  auto block_rows = blocks > 1 ? at::empty({blocks * num_local_experts}, opts) : at::Tensor();
+  sm90::moe_sort(a, blocks > 1 ? block_rows.data_ptr<int32_t>() : nullptr,
+                 at::cuda::getCurrentCUDAStream(ids.get_device()), /*pdl=*/true);
   return {counts, offsets, permuted_to_expanded, expanded_to_permuted, tile_offsets};
 }
 
@@ -93,15 +96,14 @@ at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, 
   check_gemm_dtype(intermediate, op);
   c10::cuda::CUDAGuard guard(intermediate.device());
   auto out = at::empty({shape.sum_m, shape.n}, intermediate.options());
+  // Rows past the last expert's end stay unwritten (the schema's contract): no route reads them.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, intermediate, w2, expert_offsets, out, op, enable_pdl,
-                        /*zero_tail=*/true);
+                        /*zero_tail=*/false);
   return out;
 }
 
-at::Tensor moe_finalize_cuda(const at::Tensor& rows_in, const at::Tensor& expanded_to_permuted_in,
-                             const at::Tensor& scales_in, bool enable_pdl) {
-  const char* op = "cake::moe_finalize";
-  const auto s = check_moe_finalize(rows_in, expanded_to_permuted_in, scales_in, op);
+void finalize_into(const at::Tensor& rows_in, const at::Tensor& expanded_to_permuted_in, const at::Tensor& scales_in,
+                   const MoeFinalizeShape& s, at::Tensor& out, bool enable_pdl, const char* op) {
   TORCH_CHECK(rows_in.scalar_type() == at::kBFloat16 || rows_in.scalar_type() == at::kHalf, op,
               ": CUDA kernels take bfloat16 or float16 rows, got ", rows_in.scalar_type());
   TORCH_CHECK(s.hidden % 8 == 0, op, ": CUDA kernels need hidden % 8 == 0 (16-byte rows), got ", s.hidden);
@@ -111,13 +113,28 @@ at::Tensor moe_finalize_cuda(const at::Tensor& rows_in, const at::Tensor& expand
   const auto rows = rows_in.contiguous();
   const auto expanded_to_permuted = expanded_to_permuted_in.contiguous();
   const auto scales = scales_in.contiguous();
-  TORCH_CHECK(aligned16(rows), op, ": permuted_rows must be 16-byte aligned");
-  auto out = at::empty({s.num_tokens, s.hidden}, rows.options());
+  TORCH_CHECK(aligned16(rows) && aligned16(out), op, ": permuted_rows and out must be 16-byte aligned");
   sm90::moe_finalize(rows.data_ptr(), s.hidden, expanded_to_permuted.data_ptr<int32_t>(),
                      scales.data_ptr<float>(), s.num_tokens, static_cast<int>(s.top_k), rows.size(0), out.data_ptr(),
                      rows.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream(rows.get_device()),
                      enable_pdl);
+}
+
+at::Tensor moe_finalize_cuda(const at::Tensor& rows, const at::Tensor& expanded_to_permuted, const at::Tensor& scales,
+                             bool enable_pdl) {
+  const char* op = "cake::moe_finalize";
+  const auto s = check_moe_finalize(rows, expanded_to_permuted, scales, op);
+  auto out = at::empty({s.num_tokens, s.hidden}, rows.options());
+  finalize_into(rows, expanded_to_permuted, scales, s, out, enable_pdl, op);
   return out;
+}
+
+void moe_finalize_out_cuda(const at::Tensor& rows, const at::Tensor& expanded_to_permuted, const at::Tensor& scales,
+                           at::Tensor out, bool enable_pdl) {
+  const char* op = "cake::moe_finalize_out";
+  const auto s = check_moe_finalize(rows, expanded_to_permuted, scales, op);
+  check_moe_finalize_out(out, s, rows, op);
+  finalize_into(rows, expanded_to_permuted, scales, s, out, enable_pdl, op);
 }
 
 }  // namespace
@@ -127,6 +144,7 @@ TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu_cuda);
   m.impl("moe_gemm2", &moe_gemm2_cuda);
   m.impl("moe_finalize", &moe_finalize_cuda);
+  m.impl("moe_finalize_out", &moe_finalize_out_cuda);
 }
 
 }  // namespace cake

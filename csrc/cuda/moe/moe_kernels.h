@@ -10,7 +10,7 @@ namespace cake::sm90 {
 
 // The largest E_local the one-block sort kernel takes (one counter per expert and warp in
 // shared memory).
-constexpr int64_t kMoeSortMaxLocalExperts = 32768;
+constexpr int64_t kMoeSortMaxLocalExperts = 16384;
 
 struct MoeSortArgs {
   const int32_t* ids = nullptr;  // [routes] global expert ids, expanded order (t * top_k + j)
@@ -25,7 +25,10 @@ struct MoeSortArgs {
   int32_t* expanded_to_permuted = nullptr;  // [routes], -1 for dropped routes
   int32_t* tile_offsets = nullptr;          // [E_local + 1]
 };
-void moe_sort(const MoeSortArgs& a, cudaStream_t stream, bool pdl);
+// Blocks the sort runs on: 1 (one launch) up to one chunk of routes, else count / scan / place
+// kernels over that many chunks, which need a block_rows workspace of blocks * E_local int32.
+int64_t moe_sort_blocks(int64_t routes, int64_t num_local_experts);
+void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bool pdl);
 
 // gathered[p] = x[permuted_to_expanded[p] / top_k] for the kept rows p < *num_kept; the rest
 // of `gathered` is left untouched (the grouped GEMM reads no row past the last group end). An

@@ -18,17 +18,26 @@ namespace cake::sm90 {
 namespace {
 
 // ---- sort -------------------------------------------------------------------------------------
-// One block. Warp w owns one contiguous segment of the routes; pass 1 counts each expert's
-// routes per warp, a scan turns the counts into each (expert, warp) start, pass 2 places every
-// route at its start plus its rank among the earlier lanes of the same expert. Rows of an expert
-// keep expanded order, so the permutation is deterministic.
+// A block sorts a chunk of the routes: warp w owns one contiguous segment of the chunk; pass 1
+// counts each expert's routes per warp, a scan turns the counts into each (expert, warp) start,
+// pass 2 places every route at its start plus its rank among the earlier lanes of the same
+// expert. Rows of an expert keep expanded order, so the permutation is deterministic. Up to one
+// chunk of routes, one block does it all (one launch, decode); beyond, a count kernel, a scan
+// kernel and a place kernel spread the chunks over the GPU.
 constexpr int kSortThreads = 1024;
 constexpr int kSortMaxWarps = kSortThreads / 32;
 constexpr int64_t kSortSmemBudget = 200 * 1024;
+// kSortUnroll rounds of 32 routes per step: their loads are in flight together.
+constexpr int kSortUnroll = 4;
+constexpr int kSortStep = 32 * kSortUnroll;
 
 int sort_warps(int64_t num_local) {
   const int64_t warps = (kSortSmemBudget - 4 * (num_local + 1)) / (4 * num_local);
   return static_cast<int>(std::clamp<int64_t>(warps, 1, kSortMaxWarps));
+}
+
+size_t sort_smem_bytes(int warps, int64_t num_local) {
+  return sizeof(int32_t) * (size_t(warps) * num_local + num_local + 1);
 }
 
 __device__ __forceinline__ int local_key(int32_t id, const MoeSortArgs& a) {
@@ -36,10 +45,6 @@ __device__ __forceinline__ int local_key(int32_t id, const MoeSortArgs& a) {
   const bool kept = id >= 0 && id < a.num_experts && local >= 0 && local < a.num_local_experts;
   return kept ? local : -1;
 }
-
-// kSortUnroll chunks of 32 routes per step: their loads are in flight together (a warp walks its
-// segment serially, so one load at a time would leave it waiting on memory latency).
-constexpr int kSortUnroll = 8;
 
 __device__ __forceinline__ void load_keys(const MoeSortArgs& a, int64_t base, int64_t end, int lane,
                                           int (&keys)[kSortUnroll]) {
@@ -55,27 +60,30 @@ __device__ __forceinline__ void load_keys(const MoeSortArgs& a, int64_t base, in
   }
 }
 
-__global__ void __launch_bounds__(kSortThreads) moe_sort_kernel(MoeSortArgs a, int warps) {
-  extern __shared__ int32_t smem[];
-  pdl_wait();
-  pdl_launch_dependents();
+// The segment of [begin, end) that warp `warp` of `warps` owns.
+struct Segment {
+  int64_t begin, end;
+};
+__device__ __forceinline__ Segment warp_segment(int64_t begin, int64_t end, int warp, int warps) {
+  const int64_t len = ((end - begin + warps - 1) / warps + kSortStep - 1) / kSortStep * kSortStep;
+  const int64_t b = begin + warp * len;
+  return {b, std::min(end, b + len)};
+}
+
+// Pass 1 over [begin, end), then each (warp, expert) start within the chunk's expert rows;
+// totals[e] = the chunk's rows of expert e. warp_base is [warps][E] shared memory.
+__device__ void count_chunk(const MoeSortArgs& a, int64_t begin, int64_t end, int warps, int32_t* warp_base,
+                            int32_t* totals) {
   const int E = a.num_local_experts;
-  int32_t* warp_base = smem;                 // [warps][E]: counts, then starts within the expert
-  int32_t* expert_start = smem + warps * E;  // [E + 1]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int i = tid; i < warps * E; i += blockDim.x) warp_base[i] = 0;
   __syncthreads();
-
-  const bool sorter = warp < warps;
-  constexpr int kStep = 32 * kSortUnroll;
-  const int64_t segment = ((a.routes + warps - 1) / warps + kStep - 1) / kStep * kStep;
-  const int64_t begin = warp * segment;
-  const int64_t end = std::min(a.routes, begin + segment);
-  int32_t* mine = warp_base + (sorter ? warp : 0) * E;
-  if (sorter) {
-    for (int64_t base = begin; base < end; base += 32 * kSortUnroll) {
+  if (warp < warps) {
+    const Segment seg = warp_segment(begin, end, warp, warps);
+    int32_t* mine = warp_base + warp * E;
+    for (int64_t base = seg.begin; base < seg.end; base += kSortStep) {
       int keys[kSortUnroll];
-      load_keys(a, base, end, lane, keys);
+      load_keys(a, base, seg.end, lane, keys);
 #pragma unroll
       for (int u = 0; u < kSortUnroll; ++u) {
         const unsigned peers = __match_any_sync(0xffffffffu, keys[u]);
@@ -91,14 +99,21 @@ __global__ void __launch_bounds__(kSortThreads) moe_sort_kernel(MoeSortArgs a, i
       warp_base[w * E + e] = run;
       run += c;
     }
-    expert_start[e] = run;  // the expert's total until the scan below
+    totals[e] = run;
   }
   __syncthreads();
-  if (warp == 0) {
+}
+
+// Warp 0: counts, offsets and tile offsets from the experts' totals, which become each expert's
+// first row (starts[E] = the number of kept routes).
+__device__ void scan_experts(const MoeSortArgs& a, int32_t* starts) {
+  const int E = a.num_local_experts;
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {
     int carry = 0, tile_carry = 0;
     for (int base = 0; base < E; base += 32) {
       const int e = base + lane;
-      const int count = e < E ? expert_start[e] : 0;
+      const int count = e < E ? starts[e] : 0;
       const int tiles = (count + a.tile_size - 1) / a.tile_size;
       int incl = count, tile_incl = tiles;
       for (int d = 1; d < 32; d *= 2) {
@@ -113,7 +128,7 @@ __global__ void __launch_bounds__(kSortThreads) moe_sort_kernel(MoeSortArgs a, i
         a.counts[e] = count;
         a.offsets[e + 1] = carry + incl;
         a.tile_offsets[e + 1] = tile_carry + tile_incl;
-        expert_start[e] = carry + incl - count;
+        starts[e] = carry + incl - count;
       }
       carry += __shfl_sync(0xffffffffu, incl, 31);
       tile_carry += __shfl_sync(0xffffffffu, tile_incl, 31);
@@ -121,33 +136,110 @@ __global__ void __launch_bounds__(kSortThreads) moe_sort_kernel(MoeSortArgs a, i
     if (lane == 0) {
       a.offsets[0] = 0;
       a.tile_offsets[0] = 0;
-      expert_start[E] = carry;
+      starts[E] = carry;
     }
   }
   __syncthreads();
-  if (sorter) {
-    for (int64_t base = begin; base < end; base += 32 * kSortUnroll) {
-      int keys[kSortUnroll];
-      load_keys(a, base, end, lane, keys);
+}
+
+// Pass 2 over [begin, end): route r goes to row starts[e] + its warp's start + its rank.
+__device__ void place_chunk(const MoeSortArgs& a, int64_t begin, int64_t end, int warps, int32_t* warp_base,
+                            const int32_t* starts) {
+  const int E = a.num_local_experts;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp >= warps) return;
+  const Segment seg = warp_segment(begin, end, warp, warps);
+  int32_t* mine = warp_base + warp * E;
+  for (int64_t base = seg.begin; base < seg.end; base += kSortStep) {
+    int keys[kSortUnroll];
+    load_keys(a, base, seg.end, lane, keys);
 #pragma unroll
-      for (int u = 0; u < kSortUnroll; ++u) {
-        const int64_t r = base + 32 * u + lane;
-        const int key = keys[u];
-        const unsigned peers = __match_any_sync(0xffffffffu, key);
-        if (key >= 0) {
-          const int pos = expert_start[key] + mine[key] + __popc(peers & ((1u << lane) - 1));
-          a.permuted_to_expanded[pos] = static_cast<int32_t>(r);
-          a.expanded_to_permuted[r] = pos;
-        } else if (r < end) {
-          a.expanded_to_permuted[r] = -1;
-        }
-        __syncwarp();
-        if (key >= 0 && lane == __ffs(peers) - 1) mine[key] += __popc(peers);
-        __syncwarp();
+    for (int u = 0; u < kSortUnroll; ++u) {
+      const int64_t r = base + 32 * u + lane;
+      const int key = keys[u];
+      const unsigned peers = __match_any_sync(0xffffffffu, key);
+      if (key >= 0) {
+        const int pos = starts[key] + mine[key] + __popc(peers & ((1u << lane) - 1));
+        a.permuted_to_expanded[pos] = static_cast<int32_t>(r);
+        a.expanded_to_permuted[r] = pos;
+      } else if (r < seg.end) {
+        a.expanded_to_permuted[r] = -1;
       }
+      __syncwarp();
+      if (key >= 0 && lane == __ffs(peers) - 1) mine[key] += __popc(peers);
+      __syncwarp();
     }
   }
-  for (int64_t i = expert_start[E] + tid; i < a.routes; i += blockDim.x) a.permuted_to_expanded[i] = -1;
+}
+
+// permuted_to_expanded past the kept rows: -1 (grid-stride over every block).
+__device__ void fill_tail(const MoeSortArgs& a, int64_t kept) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = kept + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.routes; i += stride) {
+    a.permuted_to_expanded[i] = -1;
+  }
+}
+
+__global__ void __launch_bounds__(kSortThreads) moe_sort_one_block_kernel(MoeSortArgs a, int warps) {
+  extern __shared__ int32_t smem[];
+  pdl_wait();
+  pdl_launch_dependents();
+  int32_t* warp_base = smem;                                // [warps][E]
+  int32_t* starts = smem + warps * a.num_local_experts;     // [E + 1]
+  count_chunk(a, 0, a.routes, warps, warp_base, starts);
+  scan_experts(a, starts);
+  place_chunk(a, 0, a.routes, warps, warp_base, starts);
+  fill_tail(a, starts[a.num_local_experts]);
+}
+
+// Multi-block sort, 1/3: each block's per-expert totals -> block_rows [blocks][E].
+__global__ void __launch_bounds__(kSortThreads) moe_sort_count_kernel(MoeSortArgs a, int warps, int64_t chunk,
+                                                                      int32_t* block_rows) {
+  extern __shared__ int32_t smem[];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int E = a.num_local_experts;
+  const int64_t begin = int64_t(blockIdx.x) * chunk;
+  count_chunk(a, begin, std::min(a.routes, begin + chunk), warps, smem, smem + warps * E);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) block_rows[int64_t(blockIdx.x) * E + e] = smem[warps * E + e];
+}
+
+// 2/3 (one block): block_rows becomes each (block, expert)'s first row; counts and offsets.
+__global__ void __launch_bounds__(kSortThreads) moe_sort_scan_kernel(MoeSortArgs a, int blocks, int32_t* block_rows) {
+  extern __shared__ int32_t starts[];  // [E + 1]
+  pdl_wait();
+  pdl_launch_dependents();
+  const int E = a.num_local_experts;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int b = 0; b < blocks; ++b) {
+      const int c = block_rows[int64_t(b) * E + e];
+      block_rows[int64_t(b) * E + e] = run;
+      run += c;
+    }
+    starts[e] = run;
+  }
+  __syncthreads();
+  scan_experts(a, starts);
+  for (int64_t i = threadIdx.x; i < int64_t(blocks) * E; i += blockDim.x) block_rows[i] += starts[i % E];
+}
+
+// 3/3: each block recounts its chunk and places its routes from its (block, expert) rows.
+__global__ void __launch_bounds__(kSortThreads) moe_sort_place_kernel(MoeSortArgs a, int warps, int64_t chunk,
+                                                                      const int32_t* block_rows) {
+  extern __shared__ int32_t smem[];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int E = a.num_local_experts;
+  int32_t* warp_base = smem;
+  int32_t* starts = smem + warps * E;
+  const int64_t begin = int64_t(blockIdx.x) * chunk;
+  const int64_t end = std::min(a.routes, begin + chunk);
+  count_chunk(a, begin, end, warps, warp_base, starts);  // starts: this chunk's totals (unused)
+  for (int e = threadIdx.x; e < E; e += blockDim.x) starts[e] = block_rows[int64_t(blockIdx.x) * E + e];
+  __syncthreads();
+  place_chunk(a, begin, end, warps, warp_base, starts);
+  fill_tail(a, a.offsets[E]);
 }
 
 // ---- gather -----------------------------------------------------------------------------------
@@ -303,19 +395,40 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 
 }  // namespace
 
-void moe_sort(const MoeSortArgs& a, cudaStream_t stream, bool pdl) {
+int64_t moe_sort_blocks(int64_t routes, int64_t num_local_experts) {
+  const int64_t chunk = int64_t(sort_warps(num_local_experts)) * kSortStep;
+  return routes <= chunk ? 1 : (routes + chunk - 1) / chunk;
+}
+
+void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bool pdl) {
   TORCH_CHECK(a.num_local_experts >= 1 && a.num_local_experts <= kMoeSortMaxLocalExperts,
               "cake::moe_sort: at most ", kMoeSortMaxLocalExperts, " local experts on CUDA, got ",
               a.num_local_experts);
   const int warps = sort_warps(a.num_local_experts);
-  const size_t smem = sizeof(int32_t) * (size_t(warps) * a.num_local_experts + a.num_local_experts + 1);
+  const int64_t chunk = int64_t(warps) * kSortStep;
+  const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
   static const bool configured = [] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(moe_sort_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kSortSmemBudget + 1024)));
+    for (const void* kernel : {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel,
+                               (const void*)moe_sort_scan_kernel, (const void*)moe_sort_place_kernel}) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kSortSmemBudget + 1024)));
+    }
     return true;
   }();
   (void)configured;
-  launch_kernel(moe_sort_kernel, dim3(1), dim3(kSortThreads), smem, stream, pdl, a, warps);
+  const int64_t blocks = moe_sort_blocks(a.routes, a.num_local_experts);
+  if (blocks == 1) {
+    launch_kernel(moe_sort_one_block_kernel, dim3(1), dim3(kSortThreads), smem, stream, pdl, a, warps);
+    return;
+  }
+  TORCH_CHECK(block_rows != nullptr, "cake::moe_sort: missing block workspace (internal error)");
+  const size_t scan_smem = sizeof(int32_t) * (a.num_local_experts + 1);
+  launch_kernel(moe_sort_count_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kSortThreads), smem, stream, pdl,
+                a, warps, chunk, block_rows);
+  launch_kernel(moe_sort_scan_kernel, dim3(1), dim3(kSortThreads), scan_smem, stream, pdl, a,
+                static_cast<int>(blocks), block_rows);
+  launch_kernel(moe_sort_place_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kSortThreads), smem, stream, pdl,
+                a, warps, chunk, static_cast<const int32_t*>(block_rows));
 }
 
 void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_to_expanded, int top_k,

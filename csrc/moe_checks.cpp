@@ -67,6 +67,46 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
   return {tokens, top_k, permuted_rows.size(1)};
 }
 
+void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, const at::Tensor& like, const char* op) {
+  TORCH_CHECK(limits.dim() == 1 && limits.size(0) == num_local_experts && limits.scalar_type() == at::kFloat, op,
+              ": clamp_limits must be float32 [E_local] = [", num_local_experts, "], got ", limits.scalar_type(), " ",
+              limits.sizes());
+  TORCH_CHECK(limits.device() == like.device(), op, ": clamp_limits must be on ", like.device(), ", got ",
+              limits.device());
+}
+
+int64_t check_moe_routing(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
+                          const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                          const char* op) {
+  const bool from_logits = logits.has_value();
+  const bool precomputed = topk_ids.has_value() || topk_weights.has_value();
+  TORCH_CHECK(from_logits != precomputed, op,
+              ": give either router_logits (FromLogits) or topk_ids and topk_weights (UnpackedPrecomputed), got ",
+              from_logits ? "router_logits" : "neither", precomputed ? " and precomputed top-k" : "");
+  TORCH_CHECK(top_k >= 1 && top_k <= num_experts, op, ": top_k must be in [1, num_experts=", num_experts, "], got ",
+              top_k);
+  if (from_logits) {
+    const auto& l = *logits;
+    TORCH_CHECK(l.dim() == 2 && l.size(1) == num_experts, op, ": router_logits must be [num_tokens, num_experts=",
+                num_experts, "], got shape ", l.sizes());
+    TORCH_CHECK(l.scalar_type() == at::kFloat || l.scalar_type() == at::kBFloat16 || l.scalar_type() == at::kHalf,
+                op, ": router_logits must be float32, bfloat16 or float16, got ", l.scalar_type());
+    return l.size(0);
+  }
+  TORCH_CHECK(topk_ids.has_value() && topk_weights.has_value(), op,
+              ": UnpackedPrecomputed routing needs both topk_ids and topk_weights");
+  const auto& ids = *topk_ids;
+  const auto& w = *topk_weights;
+  TORCH_CHECK(ids.dim() == 2 && ids.size(1) == top_k && ids.scalar_type() == at::kInt, op,
+              ": topk_ids must be int32 [num_tokens, top_k=", top_k, "], got ", ids.scalar_type(), " ", ids.sizes());
+  TORCH_CHECK(w.dim() == 2 && w.sizes() == ids.sizes() && w.scalar_type() == at::kFloat, op,
+              ": topk_weights must be float32 with topk_ids' shape ", ids.sizes(), ", got ", w.scalar_type(), " ",
+              w.sizes());
+  TORCH_CHECK(w.device() == ids.device(), op, ": topk_ids and topk_weights must be on one device, got ", ids.device(),
+              " and ", w.device());
+  return ids.size(0);
+}
+
 void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, const at::Tensor& permuted_rows,
                             const char* op) {
   TORCH_CHECK(out.dim() == 2 && out.size(0) == s.num_tokens && out.size(1) == s.hidden, op,

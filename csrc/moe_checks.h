@@ -34,6 +34,15 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
                                     const at::Tensor& expanded_to_permuted,
                                     const at::Tensor& token_final_scales, const char* op);
 
+// clamp_limits of SwiGLUStep: float32 [E_local] on `like`'s device.
+void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, const at::Tensor& like, const char* op);
+
+// moe_routing's inputs: exactly one of router_logits or (topk_ids and topk_weights). Returns the
+// token count.
+int64_t check_moe_routing(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
+                          const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                          const char* op);
+
 // A caller-owned combine output: [num_tokens, hidden], permuted_rows' dtype and device, contiguous.
 void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, const at::Tensor& permuted_rows,
                             const char* op);

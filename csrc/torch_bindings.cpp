@@ -44,14 +44,25 @@ TORCH_LIBRARY(cake, m) {
       "moe_sort(Tensor token_selected_experts, int num_experts, int num_local_experts, "
       "int local_expert_offset, int tile_size) -> (Tensor expert_counts, Tensor expert_offsets, "
       "Tensor permuted_to_expanded, Tensor expanded_to_permuted, Tensor expert_tile_offsets)");
+  // Renormalize routing (StepFun): from router_logits [T, E] (float32/bf16/fp16), the top_k
+  // experts of each token (ties to the lower id; NaN counts as -inf) and the softmax over the k
+  // selected logits in float32; or from precomputed topk_ids [T, k] int32 and topk_weights [T, k]
+  // float32, taken as they are. Returns expert_ids [T, k] int32, expert_weights [T, k] float32
+  // and moe_sort's five outputs for the shard [local_expert_offset, + num_local_experts).
+  m.def(
+      "moe_routing(Tensor? router_logits, Tensor? topk_ids, Tensor? topk_weights, int top_k, int num_experts, "
+      "int num_local_experts, int local_expert_offset, int tile_size) -> (Tensor expert_ids, "
+      "Tensor expert_weights, Tensor expert_counts, Tensor expert_offsets, Tensor permuted_to_expanded, "
+      "Tensor expanded_to_permuted, Tensor expert_tile_offsets)");
   // GEMM1 of the MoE with SwiGLU: x [T, H], w1 [E_local, 2I, H] up/gate interleaved at 32 rows
   // (interleave_up_gate_sm90), the moe_sort permutation -> [T * top_k, I] in x's dtype, permuted
   // row p = silu(gate) * up of x[permuted_to_expanded[p] / top_k] @ w1[e].T; rows past the last
   // expert's end are zeros. enable_pdl: launch the CUDA kernels with Programmatic Dependent
-  // Launch (numerics unaffected).
+  // Launch (numerics unaffected). clamp_limits (float32 [E_local]) makes the activation StepFun's
+  // SwiGLUStep, min(silu(gate), L_e) * clamp(up, -L_e, L_e) with L_e the row's expert's limit.
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
-      "int top_k, bool enable_pdl=True) -> Tensor");
+      "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None) -> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. Rows past the last expert's end belong to no route
   // and are left unwritten on CUDA (moe_finalize never reads them; with expert parallelism they

@@ -3,6 +3,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "moe_checks.h"
 
 namespace cake {
@@ -47,14 +49,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort(
 
 at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
-                            int64_t top_k, bool /*enable_pdl*/) {
-  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, "cake::moe_gemm1_swiglu");
+                            int64_t top_k, bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits) {
+  const char* op = "cake::moe_gemm1_swiglu";
+  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
   const auto token = at::floor_divide(permuted_to_expanded.clamp_min(0).to(at::kLong), top_k);
   // Permuted rows past the last expert's end come out of the grouped GEMM as zeros.
   const auto h = grouped_gemm_fwd_op().call(x.index_select(0, token), w1, expert_offsets);
   // Interleaved columns: [up 0:32 | gate 0:32 | up 32:64 | ...].
   const auto hv = h.view({s.rows, s.intermediate / 32, 2, 32}).to(at::kFloat);
-  return (at::silu(hv.select(2, 1)) * hv.select(2, 0)).to(x.scalar_type()).reshape({s.rows, s.intermediate});
+  auto act = at::silu(hv.select(2, 1));
+  auto up = hv.select(2, 0);
+  if (clamp_limits && s.rows > 0) {
+    // SwiGLUStep with the limit of each row's expert (the number of expert ends at or before it).
+    const auto ends = expert_offsets.slice(0, 1).to(at::kLong).contiguous();
+    const auto expert = at::searchsorted(ends, at::arange(s.rows, ends.options()), /*out_int32=*/false,
+                                         /*right=*/true)
+                            .clamp_max(w1.size(0) - 1);
+    const auto limit = clamp_limits->index_select(0, expert).view({s.rows, 1, 1});
+    act = at::minimum(act, limit);
+    up = at::maximum(at::minimum(up, limit), -limit);
+  }
+  return (act * up).to(x.scalar_type()).reshape({s.rows, s.intermediate});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_routing(
+    const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
+    const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
+    int64_t local_expert_offset, int64_t tile_size) {
+  check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, "cake::moe_routing");
+  at::Tensor ids, weights;
+  if (router_logits) {
+    auto logits = router_logits->to(at::kFloat);
+    logits = at::where(logits.isnan(), at::full({}, -std::numeric_limits<float>::infinity(), logits.options()), logits);
+    // A stable descending sort keeps the lower expert id first among equal logits.
+    const auto sorted = at::sort(logits, /*stable=*/true, /*dim=*/1, /*descending=*/true);
+    ids = std::get<1>(sorted).slice(1, 0, top_k).to(at::kInt).contiguous();
+    weights = at::softmax(std::get<0>(sorted).slice(1, 0, top_k), 1).contiguous();
+  } else {
+    ids = topk_ids->contiguous().clone();
+    weights = topk_weights->contiguous().clone();
+  }
+  auto [counts, offsets, p2e, e2p, tiles] = moe_sort(ids, num_experts, num_local_experts, local_expert_offset, tile_size);
+  return {ids, weights, counts, offsets, p2e, e2p, tiles};
 }
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
@@ -84,6 +121,7 @@ void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expande
 
 TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_sort", &moe_sort);
+  m.impl("moe_routing", &moe_routing);
   m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu);
   m.impl("moe_gemm2", &moe_gemm2);
   m.impl("moe_finalize", &moe_finalize);

@@ -13,9 +13,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort(
     const at::Tensor& token_selected_experts, int64_t num_experts, int64_t num_local_experts,
     int64_t local_expert_offset, int64_t tile_size);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_routing(
+    const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
+    const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
+    int64_t local_expert_offset, int64_t tile_size);
+
 at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
-                            int64_t top_k, bool enable_pdl);
+                            int64_t top_k, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits);
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                      bool enable_pdl);

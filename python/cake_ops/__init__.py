@@ -10,7 +10,7 @@ import torch  # loads libtorch before the extension
 
 from . import _C  # registers the schemas and the CPU / CUDA kernels
 from . import _fake  # noqa: F401  (registers the fake implementations)
-from . import fused_moe, grouped_gemm, nn
+from . import fused_moe, grouped_gemm, moe, nn, stepfun_moe
 from ._experimental import ExperimentalWarning
 from .autotune import autotune, clear_tuning, load_tuning, save_tuning
 from .grouped_gemm import grouped_mm_bf16
@@ -29,4 +29,4 @@ def build_info() -> dict:
 
 
 __all__ = ["ExperimentalWarning", "autotune", "build_info", "clear_tuning", "fused_moe", "grouped_gemm",
-           "grouped_mm_bf16", "load_tuning", "nn", "save_tuning"]
+           "grouped_mm_bf16", "load_tuning", "moe", "nn", "save_tuning", "stepfun_moe"]

@@ -136,8 +136,22 @@ def _moe_sort_fake(token_selected_experts, num_experts, num_local_experts, local
             ids.new_empty(routes), ids.new_empty(num_local_experts + 1))
 
 
+@register_fake("cake::moe_routing")
+def _moe_routing_fake(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
+                      local_expert_offset, tile_size):
+    op = "cake::moe_routing"
+    _check((router_logits is None) != (topk_ids is None and topk_weights is None),
+           f"{op}: give either router_logits (FromLogits) or topk_ids and topk_weights (UnpackedPrecomputed)")
+    _check(1 <= top_k <= num_experts, f"{op}: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    like = router_logits if router_logits is not None else topk_ids
+    _check(like is not None and like.dim() == 2, f"{op}: routing inputs must be 2-D [num_tokens, ...]")
+    ids = like.new_empty((like.shape[0], top_k), dtype=torch.int32)
+    return (ids, like.new_empty((like.shape[0], top_k), dtype=torch.float32),
+            *_moe_sort_fake(ids, num_experts, num_local_experts, local_expert_offset, tile_size))
+
+
 @register_fake("cake::moe_gemm1_swiglu")
-def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True):
+def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True, clamp_limits=None):
     op = "cake::moe_gemm1_swiglu"
     _check(x.dim() == 2 and w1.dim() == 3, f"{op}: x must be [num_tokens, hidden] and w1 [E_local, 2I, hidden]")
     _check(w1.shape[2] == x.shape[1] and w1.shape[1] % 64 == 0,

@@ -61,9 +61,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort_
 }
 
 at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
-                                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl) {
+                                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
+                                 const c10::optional<at::Tensor>& clamp_limits_in) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x_in, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  at::Tensor clamp_limits;
+  if (clamp_limits_in) {
+    check_clamp_limits(*clamp_limits_in, w1.size(0), x_in, op);
+    clamp_limits = clamp_limits_in->contiguous();
+  }
   check_gemm_dtype(x_in, op);
   TORCH_CHECK(w1.is_contiguous() && permuted_to_expanded.is_contiguous() && expert_offsets.is_contiguous(), op,
               ": w1, permuted_to_expanded and expert_offsets must be contiguous");
@@ -84,9 +90,39 @@ at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x_in, const at::Tensor& w1, c
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
                         /*zero_tail=*/false);
   auto out = at::empty({s.rows, s.intermediate}, x.options());
-  sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, num_kept, out.data_ptr(),
-                   x.scalar_type() == at::kBFloat16, stream, enable_pdl);
+  sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, expert_offsets.data_ptr<int32_t>(),
+                   static_cast<int>(w1.size(0)), clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr,
+                   out.data_ptr(), x.scalar_type() == at::kBFloat16, stream, enable_pdl);
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_routing_cuda(
+    const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
+    const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
+    int64_t local_expert_offset, int64_t tile_size) {
+  const char* op = "cake::moe_routing";
+  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
+  at::Tensor ids, weights;
+  if (router_logits) {
+    const auto logits = router_logits->contiguous();
+    TORCH_CHECK(logits.is_cuda(), op, ": router_logits must be a CUDA tensor here");
+    c10::cuda::CUDAGuard guard(logits.device());
+    select_kernel_arch(logits.get_device(), op);
+    ids = at::empty({tokens, top_k}, logits.options().dtype(at::kInt));
+    weights = at::empty({tokens, top_k}, logits.options().dtype(at::kFloat));
+    const auto type = logits.scalar_type() == at::kFloat      ? sm90::LogitType::kFloat
+                      : logits.scalar_type() == at::kBFloat16 ? sm90::LogitType::kBFloat16
+                                                              : sm90::LogitType::kHalf;
+    sm90::moe_topk_softmax(logits.data_ptr(), type, tokens, static_cast<int>(num_experts), static_cast<int>(top_k),
+                           ids.data_ptr<int32_t>(), weights.data_ptr<float>(),
+                           at::cuda::getCurrentCUDAStream(logits.get_device()), /*pdl=*/true);
+  } else {
+    ids = topk_ids->contiguous().clone();
+    weights = topk_weights->contiguous().clone();
+  }
+  auto [counts, offsets, p2e, e2p, tiles] =
+      moe_sort_cuda(ids, num_experts, num_local_experts, local_expert_offset, tile_size);
+  return {ids, weights, counts, offsets, p2e, e2p, tiles};
 }
 
 at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
@@ -141,6 +177,7 @@ void moe_finalize_out_cuda(const at::Tensor& rows, const at::Tensor& expanded_to
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   m.impl("moe_sort", &moe_sort_cuda);
+  m.impl("moe_routing", &moe_routing_cuda);
   m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu_cuda);
   m.impl("moe_gemm2", &moe_gemm2_cuda);
   m.impl("moe_finalize", &moe_finalize_cuda);

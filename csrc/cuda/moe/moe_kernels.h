@@ -38,9 +38,18 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
                      cudaStream_t stream, bool pdl);
 
 // out[p, j] = silu(gate) * up of h[p] ([rows, 2I], up/gate interleaved at 32 columns), in fp32,
-// rounded once to the element type; rows p >= *num_kept get zeros.
-void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* num_kept, void* out,
-                bool is_bf16, cudaStream_t stream, bool pdl);
+// rounded once to the element type; rows p >= offsets[E] get zeros. With `limits` (float32
+// [E]): SwiGLUStep, min(silu(gate), L) * clamp(up, -L, L), L the limit of row p's expert.
+void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
+                const float* limits, void* out, bool is_bf16, cudaStream_t stream, bool pdl);
+
+// Renormalize routing: for each token, the top_k largest of logits[t, 0:E] (ties to the lower
+// id, NaN as -inf) and the softmax over those k in float32.
+constexpr int kMoeRoutingMaxExperts = 1024;
+constexpr int kMoeRoutingMaxTopK = 32;
+enum class LogitType { kFloat, kBFloat16, kHalf };
+void moe_topk_softmax(const void* logits, LogitType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,
+                      float* weights, cudaStream_t stream, bool pdl);
 
 // out[t] = sum_j scales[t, j] * rows[expanded_to_permuted[t * top_k + j]] over kept routes, in
 // fp32 in route order (bitwise reproducible), rounded once. A route index outside

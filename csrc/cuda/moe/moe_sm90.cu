@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 
 #include <cassert>
+#include <climits>
+#include <cmath>
 
 #include <algorithm>
 
@@ -320,11 +322,11 @@ constexpr int kSwigluRows = 8;
 // A 64-column chunk of h is 8 vectors: up in vectors 0-3, gate in 4-7 (32-row interleave).
 template <class T>
 __global__ void __launch_bounds__(32 * kSwigluRows)
-    moe_swiglu_kernel(const uint4* __restrict__ h, int64_t rows, int64_t inter_vecs, const int32_t* num_kept,
-                      uint4* __restrict__ out) {
+    moe_swiglu_kernel(const uint4* __restrict__ h, int64_t rows, int64_t inter_vecs, const int32_t* offsets,
+                      int num_experts, const float* limits, uint4* __restrict__ out) {
   pdl_wait();
   pdl_launch_dependents();
-  const int64_t kept = std::min<int64_t>(*num_kept, rows);
+  const int64_t kept = std::min<int64_t>(offsets[num_experts], rows);
   const int64_t v = int64_t(blockIdx.x) * 32 + threadIdx.x;
   if (v >= inter_vecs) return;
   for (int64_t row = int64_t(blockIdx.y) * kSwigluRows + threadIdx.y; row < rows;
@@ -338,9 +340,98 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
     float up[8], gate[8], r[8];
     Vec8<T>::load(__ldg(chunk + v % 4), up);
     Vec8<T>::load(__ldg(chunk + 4 + v % 4), gate);
+    if (limits == nullptr) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(__fdiv_rn(gate[j], 1.0f + expf(-gate[j])), up[j]);
+      for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(__fdiv_rn(gate[j], 1.0f + expf(-gate[j])), up[j]);
+    } else {
+      // SwiGLUStep: the row's expert is the last e with offsets[e] <= row.
+      int lo = 0, hi = num_experts - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (__ldg(offsets + mid) <= row) lo = mid; else hi = mid - 1;
+      }
+      const float limit = __ldg(limits + lo);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float act = fminf(__fdiv_rn(gate[j], 1.0f + expf(-gate[j])), limit);
+        r[j] = __fmul_rn(act, fmaxf(fminf(up[j], limit), -limit));
+      }
+    }
     *dst = Vec8<T>::store(r);
+  }
+}
+
+// ---- routing (Renormalize top-k) ---------------------------------------------------------------
+constexpr int kRoutingWarps = 4;  // one warp per token
+constexpr int kRoutingPerLane = kMoeRoutingMaxExperts / 32;
+
+__device__ __forceinline__ float logit_at(const float* p) { return *p; }
+__device__ __forceinline__ float logit_at(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float logit_at(const __half* p) { return __half2float(*p); }
+
+// (value, id) a beats (value, id) b: larger value, then lower id.
+__device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
+  return va > vb || (va == vb && ia < ib);
+}
+
+template <class T>
+__global__ void __launch_bounds__(32 * kRoutingWarps)
+    moe_topk_softmax_kernel(const T* logits, int64_t tokens, int num_experts, int top_k, int32_t* ids,
+                            float* weights) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kRoutingWarps + threadIdx.x / 32;
+  if (t >= tokens) return;
+  // Lane l holds experts l, l + 32, ...; taken ones become -inf with id INT_MAX (never chosen).
+  float v[kRoutingPerLane];
+  int id[kRoutingPerLane];
+#pragma unroll
+  for (int i = 0; i < kRoutingPerLane; ++i) {
+    const int e = lane + 32 * i;
+    float x = e < num_experts ? logit_at(logits + t * num_experts + e) : -INFINITY;
+    if (isnan(x)) x = -INFINITY;
+    v[i] = x;
+    id[i] = e < num_experts ? e : INT_MAX;
+  }
+  float top[kMoeRoutingMaxTopK];
+  int top_id = 0;  // lane j keeps the id of pick j
+  for (int j = 0; j < top_k; ++j) {
+    float best = -INFINITY;
+    int best_id = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < kRoutingPerLane; ++i) {
+      if (beats(v[i], id[i], best, best_id)) {
+        best = v[i];
+        best_id = id[i];
+      }
+    }
+    for (int d = 16; d > 0; d /= 2) {
+      const float ov = __shfl_xor_sync(0xffffffffu, best, d);
+      const int oi = __shfl_xor_sync(0xffffffffu, best_id, d);
+      if (beats(ov, oi, best, best_id)) {
+        best = ov;
+        best_id = oi;
+      }
+    }
+    top[j] = best;
+    if (lane == j) top_id = best_id;
+#pragma unroll
+    for (int i = 0; i < kRoutingPerLane; ++i) {
+      if (id[i] == best_id) {
+        v[i] = -INFINITY;
+        id[i] = INT_MAX;
+      }
+    }
+  }
+  // Softmax over the k picks (top[0] is their maximum), float32.
+  float sum = 0.f;
+  for (int j = 0; j < top_k; ++j) sum += expf(top[j] - top[0]);
+  for (int j = 0; j < top_k; ++j) {
+    if (lane == j) {
+      ids[t * top_k + j] = top_id;
+      weights[t * top_k + j] = expf(top[j] - top[0]) / sum;
+    }
   }
 }
 
@@ -441,8 +532,8 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
                 num_kept, rows, static_cast<uint4*>(gathered));
 }
 
-void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* num_kept, void* out, bool is_bf16,
-                cudaStream_t stream, bool pdl) {
+void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
+                const float* limits, void* out, bool is_bf16, cudaStream_t stream, bool pdl) {
   if (rows == 0 || inter == 0) return;
   TORCH_CHECK(inter % 32 == 0, "cake MoE SwiGLU: I must be a multiple of 32 (internal error)");
   const int64_t inter_vecs = inter / 8;
@@ -450,7 +541,31 @@ void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* num_k
                   static_cast<unsigned>(std::min<int64_t>((rows + kSwigluRows - 1) / kSwigluRows, 65535)));
   auto kernel = is_bf16 ? moe_swiglu_kernel<__nv_bfloat16> : moe_swiglu_kernel<__half>;
   launch_kernel(kernel, grid, dim3(32, kSwigluRows), 0, stream, pdl, static_cast<const uint4*>(h), rows,
-                inter_vecs, num_kept, static_cast<uint4*>(out));
+                inter_vecs, offsets, num_experts, limits, static_cast<uint4*>(out));
+}
+
+void moe_topk_softmax(const void* logits, LogitType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,
+                      float* weights, cudaStream_t stream, bool pdl) {
+  TORCH_CHECK(num_experts <= kMoeRoutingMaxExperts && top_k <= kMoeRoutingMaxTopK, "cake::moe_routing: CUDA kernels "
+              "take at most ", kMoeRoutingMaxExperts, " experts and top_k <= ", kMoeRoutingMaxTopK, ", got ",
+              num_experts, " and ", top_k);
+  if (tokens == 0) return;
+  const dim3 grid(static_cast<unsigned>((tokens + kRoutingWarps - 1) / kRoutingWarps));
+  const dim3 block(32 * kRoutingWarps);
+  switch (type) {
+    case LogitType::kFloat:
+      launch_kernel(moe_topk_softmax_kernel<float>, grid, block, 0, stream, pdl, static_cast<const float*>(logits),
+                    tokens, num_experts, top_k, ids, weights);
+      break;
+    case LogitType::kBFloat16:
+      launch_kernel(moe_topk_softmax_kernel<__nv_bfloat16>, grid, block, 0, stream, pdl,
+                    static_cast<const __nv_bfloat16*>(logits), tokens, num_experts, top_k, ids, weights);
+      break;
+    case LogitType::kHalf:
+      launch_kernel(moe_topk_softmax_kernel<__half>, grid, block, 0, stream, pdl, static_cast<const __half*>(logits),
+                    tokens, num_experts, top_k, ids, weights);
+      break;
+  }
 }
 
 void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expanded_to_permuted,

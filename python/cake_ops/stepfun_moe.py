@@ -1,0 +1,249 @@
+"""The StepFun MoE pipeline (``../shared/spec/stepfun_moe.rst``), experimental.
+
+Every stage is a ``torch.ops.cake`` op with CPU, fake and CUDA implementations:
+
+========  ===========================================================================================
+routing   ``cake::moe_routing``: Renormalize top-k from logits (ties to the lower id, softmax over the
+          k selected in float32) or precomputed top-k ids and weights; per-expert counts, offsets and
+          the permutation, on the device.
+fc1       ``cake::moe_gemm1_swiglu`` with ``clamp_limits``: the grouped GEMM over gathered token rows
+          and the SwiGLUStep epilogue ``min(silu(gate), L_e) * clamp(up, -L_e, L_e)``, ``L_e`` the
+          expert's ``gemm1_clamp_limit``.
+requant   the fp8 family's per-tensor e4m3 quantization of fc1's output; the bf16 family has none
+          (its plans skip the stage, the one-shot function returns its input).
+fc2       ``cake::moe_gemm2``: the grouped GEMM.
+finalize  ``cake::moe_finalize``: the weighted combine into token order, float32, fixed order.
+========  ===========================================================================================
+
+Weight families: ``bf16`` today; ``fp8`` (per tensor) is next; ``nvfp4``, ``nvfp4_bf16tok`` and
+``mxfp8`` plug into the same :class:`Plan` / :class:`StepFunWeights` shape later. Asking for a
+family this build does not run raises ``NotImplementedError`` naming it.
+
+The weight view (:func:`prepare_weights`, view ``"cake_stepfun"``) holds w1 up/gate interleaved at
+32 rows (:func:`cake_ops.fused_moe.interleave_up_gate_sm90`: the same GEMM1 as fused_moe_bf16),
+w2, and the per-expert ``gemm1_clamp_limit`` as a float32 tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from ._experimental import warn_experimental
+from .fused_moe import default_tile_size, interleave_up_gate_sm90
+
+__all__ = ["FAMILIES", "Plan", "RoutingOutput", "StepFunWeights", "default_plan", "fc1", "fc2", "finalize",
+           "plans_for", "prepare_weights", "requant", "routing", "stepfun_moe"]
+
+_FEATURE = "cake_ops.stepfun_moe"
+FAMILIES = ("bf16", "fp8", "nvfp4", "nvfp4_bf16tok", "mxfp8")
+RUNNABLE_FAMILIES = ("bf16",)
+STAGES = ("routing", "fc1", "requant", "fc2", "finalize")
+
+
+def _fail(fn: str, message: str, error=ValueError):
+    raise error(f"cake_ops.stepfun_moe.{fn}: {message}")
+
+
+def _check_family(fn: str, family: str) -> None:
+    if family not in FAMILIES:
+        _fail(fn, f"family must be one of {FAMILIES}, got {family!r}")
+    if family not in RUNNABLE_FAMILIES:
+        _fail(fn, f"the {family!r} weight family is not implemented yet (runs: {RUNNABLE_FAMILIES})",
+              NotImplementedError)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The units one forward runs: the family's stages in order (bf16 skips requant) and the row
+    tile shared by the routing's tile offsets and the GEMMs (64 or 128)."""
+    family: str
+    tile_size: int
+    stages: tuple
+
+    def __post_init__(self):
+        _check_family("Plan", self.family)
+        if self.tile_size not in (64, 128):
+            _fail("Plan", f"tile_size must be 64 or 128, got {self.tile_size}")
+        if not set(self.stages) <= set(STAGES) or "routing" not in self.stages or "fc1" not in self.stages:
+            _fail("Plan", f"stages must be drawn from {STAGES} with routing and fc1, got {self.stages}")
+
+
+def _stages(family: str) -> tuple:
+    return tuple(s for s in STAGES if s != "requant" or family != "bf16")
+
+
+def plans_for(family: str) -> List[Plan]:
+    """Every plan of a family (one per tile size)."""
+    _check_family("plans_for", family)
+    return [Plan(family, tile, _stages(family)) for tile in (64, 128)]
+
+
+def default_plan(family: str, num_tokens: int, top_k: int, num_local_experts: int, intermediate: int) -> Plan:
+    """The family's plan with the tile rule of fused_moe_bf16 (64 below 64 rows per expert)."""
+    _check_family("default_plan", family)
+    return Plan(family, default_tile_size(num_tokens, top_k, num_local_experts, intermediate), _stages(family))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunWeights:
+    """The ``cake_stepfun`` weight view: w1 ``[E_local, 2I, H]`` up/gate interleaved at 32 rows,
+    w2 ``[E_local, H, I]``, gemm1_clamp_limit float32 ``[E_local]``, for experts
+    ``[local_expert_offset, local_expert_offset + E_local)`` of ``num_experts``."""
+    family: str
+    w1: torch.Tensor
+    w2: torch.Tensor
+    gemm1_clamp_limit: torch.Tensor
+    num_experts: int
+    local_expert_offset: int = 0
+    view: str = "cake_stepfun"
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w1.shape[1] // 2
+
+
+def prepare_weights(w1_gate_up: torch.Tensor, w2: torch.Tensor,
+                    gemm1_clamp_limit: Union[float, Sequence[float], torch.Tensor], *, family: str = "bf16",
+                    num_experts: Optional[int] = None, local_expert_offset: int = 0) -> StepFunWeights:
+    """Gate-first ``w1_gate_up [E_local, 2I, H]`` (``[gate; up]``) and ``w2 [E_local, H, I]`` ->
+    the ``cake_stepfun`` view. ``gemm1_clamp_limit``: one limit for every expert, or one per
+    local expert (physical units). Needs H % 64 == 0 and I % 32 == 0."""
+    fn = "prepare_weights"
+    _check_family(fn, family)
+    if w1_gate_up.dim() != 3 or w2.dim() != 3:
+        _fail(fn, f"w1_gate_up must be [E_local, 2I, H] and w2 [E_local, H, I], got {list(w1_gate_up.shape)} "
+                  f"and {list(w2.shape)}")
+    e_local, two_i, hidden = w1_gate_up.shape
+    if list(w2.shape) != [e_local, hidden, two_i // 2]:
+        _fail(fn, f"w2 must be [E_local, H, I] = {[e_local, hidden, two_i // 2]}, got {list(w2.shape)}")
+    if hidden % 64 != 0 or two_i % 64 != 0:
+        _fail(fn, f"needs hidden % 64 == 0 and I % 32 == 0, got hidden={hidden}, I={two_i // 2}")
+    if w1_gate_up.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        _fail(fn, f"the bf16 family takes bfloat16 weights, got {w1_gate_up.dtype} and {w2.dtype}")
+    limit = torch.as_tensor(gemm1_clamp_limit, dtype=torch.float32, device=w1_gate_up.device)
+    limit = limit.expand(e_local).contiguous() if limit.dim() == 0 else limit.contiguous()
+    if list(limit.shape) != [e_local]:
+        _fail(fn, f"gemm1_clamp_limit must be a number or [E_local={e_local}] limits, got shape {list(limit.shape)}")
+    if not bool((limit > 0).all()):
+        _fail(fn, "gemm1_clamp_limit must be positive")
+    num_experts = e_local if num_experts is None else num_experts
+    if not 0 <= local_expert_offset <= num_experts - e_local:
+        _fail(fn, f"the shard [{local_expert_offset}, {local_expert_offset + e_local}) must lie within "
+                  f"[0, num_experts={num_experts})")
+    return StepFunWeights(family, interleave_up_gate_sm90(w1_gate_up), w2.contiguous(), limit, num_experts,
+                          local_expert_offset)
+
+
+def _check_weights(fn: str, weights) -> StepFunWeights:
+    if not isinstance(weights, StepFunWeights) or weights.view != "cake_stepfun":
+        _fail(fn, f"weights must be the cake_stepfun view from prepare_weights, got {type(weights).__name__}",
+              TypeError)
+    _check_family(fn, weights.family)
+    return weights
+
+
+@dataclasses.dataclass
+class RoutingOutput:
+    """What routing produces, on the device: ``expert_ids``/``expert_weights`` ``[T, top_k]`` and the
+    sort of the routes by local expert (rows past the kept ones: -1)."""
+    expert_ids: torch.Tensor
+    expert_weights: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    permuted_idx_to_expanded_idx: torch.Tensor
+    expanded_idx_to_permuted_idx: torch.Tensor
+    expert_tile_offsets: torch.Tensor
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_ids.shape[1]
+
+
+def routing(router_logits: Optional[torch.Tensor] = None, *, topk_ids: Optional[torch.Tensor] = None,
+            topk_weights: Optional[torch.Tensor] = None, top_k: int, num_experts: int,
+            num_local_experts: Optional[int] = None, local_expert_offset: int = 0, tile_size: int = 128) -> RoutingOutput:
+    """Renormalize routing from ``router_logits [T, E]`` (RoutingInputMode.FromLogits) or from
+    ``topk_ids [T, k]`` int32 and ``topk_weights [T, k]`` float32 (UnpackedPrecomputed)."""
+    warn_experimental(_FEATURE)
+    if router_logits is None and (topk_ids is None or topk_weights is None):
+        # (the op needs a tensor to dispatch on, so say it here)
+        _fail("routing", "give router_logits (FromLogits) or both topk_ids and topk_weights (UnpackedPrecomputed)")
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    return RoutingOutput(*torch.ops.cake.moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts,
+                                                      num_local, local_expert_offset, tile_size))
+
+
+def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
+        enable_pdl: bool = True) -> torch.Tensor:
+    """GEMM1 with the SwiGLUStep epilogue -> ``[T * top_k, I]`` in permuted row order."""
+    warn_experimental(_FEATURE)
+    weights = _check_weights("fc1", weights)
+    return torch.ops.cake.moe_gemm1_swiglu(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
+                                           routed.expert_offsets, routed.top_k, enable_pdl,
+                                           weights.gemm1_clamp_limit)
+
+
+def requant(fc1_output: torch.Tensor, weights: StepFunWeights) -> torch.Tensor:
+    """The family's requantization of fc1's output: none for bf16 (returns its input)."""
+    warn_experimental(_FEATURE)
+    weights = _check_weights("requant", weights)
+    return fc1_output
+
+
+def fc2(activations: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
+        enable_pdl: bool = True) -> torch.Tensor:
+    """GEMM2 -> ``[T * top_k, H]`` unscaled, permuted row order."""
+    warn_experimental(_FEATURE)
+    weights = _check_weights("fc2", weights)
+    return torch.ops.cake.moe_gemm2(activations, weights.w2, routed.expert_offsets, enable_pdl)
+
+
+def finalize(gemm2_output: torch.Tensor, expert_weights: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
+             enable_pdl: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[t] = sum_j expert_weights[t, j] * gemm2_output[p(t, j)]`` in float32, fixed order."""
+    warn_experimental(_FEATURE)
+    if out is not None:
+        torch.ops.cake.moe_finalize_out(gemm2_output, expanded_idx_to_permuted_idx, expert_weights, out, enable_pdl)
+        return out
+    return torch.ops.cake.moe_finalize(gemm2_output, expanded_idx_to_permuted_idx, expert_weights, enable_pdl)
+
+
+def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_logits: Optional[torch.Tensor] = None,
+                *, topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                top_k: int, plan: Optional[Plan] = None, do_finalize: bool = True,
+                enable_pdl: bool = True) -> Union[torch.Tensor, List[torch.Tensor]]:
+    """The whole forward: routing -> fc1 -> requant -> fc2 -> finalize.
+
+    Returns ``output [T, H]``; with ``do_finalize=False`` ``[gemm2_output, expert_weights,
+    expanded_idx_to_permuted_idx]`` for the caller's own combine."""
+    warn_experimental(_FEATURE)
+    weights = _check_weights("stepfun_moe", weights)
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != weights.hidden:
+        _fail("stepfun_moe", f"hidden_states must be [num_tokens, hidden={weights.hidden}], got "
+                             f"{list(hidden_states.shape)}")
+    if hidden_states.dtype != torch.bfloat16:
+        _fail("stepfun_moe", f"the bf16 family takes bfloat16 hidden_states, got {hidden_states.dtype}")
+    plan = plan or default_plan(weights.family, hidden_states.shape[0], top_k, weights.num_local_experts,
+                                weights.intermediate)
+    if plan.family != weights.family:
+        _fail("stepfun_moe", f"the plan is for the {plan.family!r} family, the weights are {weights.family!r}")
+    routed = routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
+                     num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
+                     local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
+    act = fc1(hidden_states.contiguous(), weights, routed, enable_pdl)
+    if "requant" in plan.stages:
+        act = requant(act, weights)
+    rows = fc2(act, weights, routed, enable_pdl)
+    if not do_finalize:
+        return [rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx]
+    return finalize(rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx, enable_pdl)

@@ -1,0 +1,283 @@
+"""The StepFun MoE pipeline (cake_ops.stepfun_moe) and the unified MoE API (cake_ops.moe): each stage
+and the whole forward against the float32 reference with the SwiGLUStep clamp biting (input
+amplitude 12), both routing modes, the bf16 path bitwise equal to its stages, graphs, compile and
+errors. On the GPU the issue's geometry (H=4096, I=1536, E=64, top-k 8); on the CPU a small one."""
+import warnings
+
+import expecttest
+import pytest
+import torch
+
+import cake_ops
+from cake_ops import moe, reference
+from cake_ops import stepfun_moe as sm
+
+HAS_CUDA = torch.cuda.is_available()
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
+AMPLITUDE = 12.0
+
+
+def geometry(device):
+    # (hidden, intermediate, experts, top_k, token counts)
+    return (4096, 1536, 64, 8, (8, 64, 512, 2048)) if device == "cuda" else (128, 64, 16, 4, (8, 64))
+
+
+def limits_for(kind, e):
+    if kind == "mixed":
+        return torch.tensor([7.0, 16.0, 3.0, 30.0] * (e // 4), dtype=torch.float32)
+    return float(kind)
+
+
+def make(device, t, hidden, inter, e, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (AMPLITUDE * torch.randn(t, hidden, generator=g)).bfloat16().to(device)
+    logits = torch.randn(t, e, generator=g).to(device)
+    w1 = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5).bfloat16().to(device)
+    w2 = (torch.randn(e, hidden, inter, generator=g) / inter**0.5).bfloat16().to(device)
+    return x, logits, w1, w2
+
+
+def topk_reference(logits, k):
+    """Top-k by (value desc, id asc) with NaN as -inf, softmax over the k in float64."""
+    ids, weights = [], []
+    for row in logits.double().cpu().tolist():
+        row = [float("-inf") if v != v else v for v in row]
+        order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
+        top = torch.tensor([row[i] for i in order], dtype=torch.float64)
+        ids.append(order)
+        weights.append(torch.softmax(top, 0).tolist())
+    return torch.tensor(ids, dtype=torch.int32), torch.tensor(weights, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_routing_from_logits_matches_reference(device, dtype):
+    t, e, k = 50, 64, 8
+    logits = torch.randint(-4, 5, (t, e)).float()  # many ties: the lower id wins
+    logits[0, :] = 1.0
+    logits[1, 7] = float("nan")
+    logits[2, :] = float("-inf")
+    logits[2, 9] = 0.0
+    logits = logits.to(dtype)
+    routed = sm.routing(logits.to(device), top_k=k, num_experts=e, tile_size=64)
+    ids, weights = topk_reference(logits, k)
+    assert torch.equal(routed.expert_ids.cpu(), ids)
+    torch.testing.assert_close(routed.expert_weights.cpu().double(), weights, rtol=1e-5, atol=1e-6)
+    sort = torch.ops.cake.moe_sort(ids, e, e, 0, 64)
+    for got, want in zip([routed.expert_counts, routed.expert_offsets, routed.permuted_idx_to_expanded_idx,
+                          routed.expanded_idx_to_permuted_idx, routed.expert_tile_offsets], sort):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_routing_unpacked_precomputed_takes_ids_and_weights_as_given(device):
+    ids = torch.stack([torch.randperm(32)[:4] for _ in range(20)]).int()
+    weights = torch.rand(20, 4)
+    routed = sm.routing(topk_ids=ids.to(device), topk_weights=weights.to(device), top_k=4, num_experts=32,
+                        num_local_experts=8, local_expert_offset=8)
+    assert torch.equal(routed.expert_ids.cpu(), ids) and torch.equal(routed.expert_weights.cpu(), weights)
+    assert routed.expert_ids.data_ptr() != ids.data_ptr()
+    kept = ((ids >= 8) & (ids < 16)).flatten()
+    assert torch.equal(routed.expanded_idx_to_permuted_idx.cpu() >= 0, kept)
+
+
+def run_reference(x, logits, w1, w2, limits, k):
+    ids, weights = topk_reference(logits.float(), k)
+    e = w1.shape[0]
+    lim = torch.as_tensor(limits, dtype=torch.float32).expand(e)
+    return reference.moe_forward(x, ids.to(x.device), weights.float().to(x.device), w1, w2, limit=lim).cpu()
+
+
+@pytest.mark.parametrize("limits", ["7", "16", "mixed"])
+def test_pipeline_matches_float32_reference_with_the_clamp_biting(device, limits):
+    hidden, inter, e, k, token_counts = geometry(device)
+    for t in token_counts:
+        x, logits, w1, w2 = make(device, t, hidden, inter, e, k, seed=t)
+        lim = limits_for(limits, e)
+        weights = sm.prepare_weights(w1, w2, lim)
+        out = sm.stepfun_moe(x, weights, logits, top_k=k)
+        expected = run_reference(x, logits, w1, w2, lim, k)
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+        err = (out.cpu().float() - expected).norm() / expected.norm()
+        assert err < 2e-2, (t, float(err))
+        # The clamp matters here: without it the answer is far off.
+        unclamped = run_reference(x, logits, w1, w2, 1e30, k)
+        assert (unclamped - expected).norm() / expected.norm() > 0.1
+
+
+def test_bf16_path_is_bitwise_the_stages(device):
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, 64, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).to(device))
+    plan = sm.default_plan("bf16", 64, k, e, inter)
+    assert "requant" not in plan.stages
+    routed = sm.routing(logits, top_k=k, num_experts=e, tile_size=plan.tile_size)
+    act = sm.requant(sm.fc1(x, weights, routed), weights)
+    rows = sm.fc2(act, weights, routed)
+    staged = sm.finalize(rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx)
+    assert torch.equal(sm.stepfun_moe(x, weights, logits, top_k=k, plan=plan), staged)
+    gemm2_output, expert_weights, e2p = sm.stepfun_moe(x, weights, logits, top_k=k, plan=plan, do_finalize=False)
+    assert torch.equal(sm.finalize(gemm2_output, expert_weights, e2p), staged)
+    into = torch.empty_like(staged)
+    assert sm.finalize(gemm2_output, expert_weights, e2p, out=into) is into and torch.equal(into, staged)
+
+
+def test_expert_parallel_shards_sum_to_the_whole(device):
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, 16, hidden, inter, e, k)
+    whole = sm.stepfun_moe(x, sm.prepare_weights(w1, w2, 7.0), logits, top_k=k).float()
+    half = e // 2
+    parts = [sm.stepfun_moe(x, sm.prepare_weights(w1[o:o + half], w2[o:o + half], 7.0, num_experts=e,
+                                                  local_expert_offset=o), logits, top_k=k).float()
+             for o in (0, half)]
+    assert ((parts[0] + parts[1] - whole).norm() / whole.norm()) < 2e-2
+
+
+def test_compiles_fullgraph():
+    hidden, inter, e, k, _ = geometry("cpu")
+    x, logits, w1, w2 = make("cpu", 8, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, 7.0)
+
+    def forward(x, logits):
+        return sm.stepfun_moe(x, weights, logits, top_k=k)
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, logits), forward(x, logits))
+
+
+@cuda_only
+def test_cuda_graph_replay_with_new_logits():
+    hidden, inter, e, k, _ = geometry("cuda")
+    x, logits, w1, w2 = make("cuda", 64, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, 7.0)
+    out = sm.stepfun_moe(x, weights, logits, top_k=k)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = sm.stepfun_moe(x, weights, logits, top_k=k)
+    for seed in range(2):
+        x.copy_(make("cuda", 64, hidden, inter, e, k, seed=seed + 10)[0])
+        logits.copy_(torch.randn_like(logits))
+        g.replay()
+        assert torch.equal(out, sm.stepfun_moe(x, weights, logits, top_k=k))
+
+
+@cuda_only
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiles_fullgraph_on_gpu(mode):
+    hidden, inter, e, k, _ = geometry("cuda")
+    x, logits, w1, w2 = make("cuda", 64, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).cuda())
+
+    def forward(x, logits):
+        return sm.stepfun_moe(x, weights, logits, top_k=k)
+    compiled = torch.compile(forward, fullgraph=True, mode=mode)
+    expected = forward(x, logits)
+    for _ in range(3):
+        assert torch.equal(compiled(x, logits), expected)
+
+
+def test_ops_opcheck():
+    logits = torch.randn(12, 16)
+    torch.library.opcheck(torch.ops.cake.moe_routing, (logits, None, None, 4, 16, 8, 4, 64))
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(12)]).int()
+    torch.library.opcheck(torch.ops.cake.moe_routing, (None, ids, torch.rand(12, 4), 4, 16, 16, 0, 64))
+    x, _, w1, w2 = make("cpu", 12, 64, 32, 16, 4)
+    routed = sm.routing(logits, top_k=4, num_experts=16, tile_size=64)
+    weights = sm.prepare_weights(w1, w2, 3.0)
+    torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu,
+                          (x, weights.w1, routed.permuted_idx_to_expanded_idx, routed.expert_offsets, 4, True,
+                           weights.gemm1_clamp_limit))
+
+
+def test_plans():
+    plans = sm.plans_for("bf16")
+    assert [p.tile_size for p in plans] == [64, 128]
+    assert all(p.stages == ("routing", "fc1", "fc2", "finalize") for p in plans)
+    assert sm.default_plan("bf16", 8, 8, 64, 1536).tile_size == 64
+    assert sm.default_plan("bf16", 2048, 8, 64, 1536).tile_size == 128
+    with pytest.raises(NotImplementedError, match="'fp8' weight family is not implemented yet"):
+        sm.plans_for("fp8")
+    with pytest.raises(ValueError, match="family must be one of"):
+        sm.plans_for("int4")
+
+
+class TestErrors(expecttest.TestCase):
+    def message(self, error, fn, *args, **kwargs):
+        with self.assertRaises(error) as ctx:
+            fn(*args, **kwargs)
+        return str(ctx.exception).split("\n")[0]
+
+    def test_routing_errors(self):
+        logits = torch.randn(4, 8)
+        ids = torch.zeros(4, 2, dtype=torch.int32)
+        self.assertExpectedInline(self.message(RuntimeError, sm.routing, logits, topk_ids=ids, top_k=2, num_experts=8), """cake::moe_routing: give either router_logits (FromLogits) or topk_ids and topk_weights (UnpackedPrecomputed), got router_logits and precomputed top-k""")
+        self.assertExpectedInline(self.message(ValueError, sm.routing, topk_ids=ids, top_k=2, num_experts=8), """cake_ops.stepfun_moe.routing: give router_logits (FromLogits) or both topk_ids and topk_weights (UnpackedPrecomputed)""")
+        self.assertExpectedInline(self.message(RuntimeError, sm.routing, logits, top_k=9, num_experts=8), """cake::moe_routing: top_k must be in [1, num_experts=8], got 9""")
+        self.assertExpectedInline(self.message(RuntimeError, sm.routing, logits[:, :6], top_k=2, num_experts=8), """cake::moe_routing: router_logits must be [num_tokens, num_experts=8], got shape [4, 6]""")
+        self.assertExpectedInline(self.message(RuntimeError, sm.routing, topk_ids=ids, topk_weights=torch.rand(4, 3), top_k=2, num_experts=8), """cake::moe_routing: topk_weights must be float32 with topk_ids' shape [4, 2], got Float [4, 3]""")
+
+    def test_weight_errors(self):
+        w1, w2 = torch.zeros(4, 128, 64).bfloat16(), torch.zeros(4, 64, 64).bfloat16()
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2[:, :, :32], 7.0), """cake_ops.stepfun_moe.prepare_weights: w2 must be [E_local, H, I] = [4, 64, 64], got [4, 64, 32]""")
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2, [7.0, 7.0]), """cake_ops.stepfun_moe.prepare_weights: gemm1_clamp_limit must be a number or [E_local=4] limits, got shape [2]""")
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2, 0.0), """cake_ops.stepfun_moe.prepare_weights: gemm1_clamp_limit must be positive""")
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1.float(), w2, 7.0), """cake_ops.stepfun_moe.prepare_weights: the bf16 family takes bfloat16 weights, got torch.float32 and torch.bfloat16""")
+        self.assertExpectedInline(self.message(NotImplementedError, sm.prepare_weights, w1, w2, 7.0, family="mxfp8"), """cake_ops.stepfun_moe.prepare_weights: the 'mxfp8' weight family is not implemented yet (runs: ('bf16',))""")
+        self.assertExpectedInline(self.message(TypeError, sm.fc1, torch.zeros(2, 64), (w1, w2), None), """cake_ops.stepfun_moe.fc1: weights must be the cake_stepfun view from prepare_weights, got tuple""")
+
+    def test_clamp_limit_errors(self):
+        x, _, w1, w2 = make("cpu", 4, 64, 32, 4, 2)
+        routed = sm.routing(torch.randn(4, 4), top_k=2, num_experts=4)
+        weights = sm.prepare_weights(w1, w2, 7.0)
+        self.assertExpectedInline(self.message(RuntimeError, torch.ops.cake.moe_gemm1_swiglu, x, weights.w1, routed.permuted_idx_to_expanded_idx, routed.expert_offsets, 2, True, torch.ones(3)), """cake::moe_gemm1_swiglu: clamp_limits must be float32 [E_local] = [4], got Float [3]""")
+
+
+class TestUnifiedApi(expecttest.TestCase):
+    def setUp(self):
+        self.config = moe.MoEConfig(num_experts=16, top_k=4, hidden_size=64, intermediate_size=32,
+                                    activation=moe.SwiGLUStep(limit=7.0),
+                                    backend=moe.CakeStepFunConfig(backend="cake_stepfun"))
+        self.x, self.logits, self.w1, self.w2 = make("cpu", 8, 64, 32, 16, 4)
+
+    def message(self, error, fn, *args, **kwargs):
+        with self.assertRaises(error) as ctx:
+            fn(*args, **kwargs)
+        return str(ctx.exception).split("\n")[0]
+
+    def test_forward_matches_the_pipeline_and_warns_once(self):
+        import cake_ops._experimental as exp
+        exp._warned.discard("the cake_stepfun MoE backend")
+        weights = self.config.prepare_weights(self.w1, self.w2)
+        assert weights.view == "cake_stepfun" and torch.equal(weights.gemm1_clamp_limit, torch.full((16,), 7.0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = moe.moe_forward(self.config, weights, self.x, self.logits)
+            moe.moe_forward(self.config, weights, self.x, self.logits)
+        assert sum(issubclass(w.category, cake_ops.ExperimentalWarning) and "cake_stepfun MoE backend" in str(w.message)
+                   for w in caught) == 1
+        assert torch.equal(out, sm.stepfun_moe(self.x, weights, self.logits, top_k=4))
+
+    def test_unpacked_precomputed(self):
+        config = moe.MoEConfig(num_experts=16, top_k=4, hidden_size=64, intermediate_size=32,
+                               routing_input_mode=moe.RoutingInputMode.UnpackedPrecomputed)
+        weights = config.prepare_weights(self.w1, self.w2, torch.linspace(2, 20, 16))
+        routed = sm.routing(self.logits, top_k=4, num_experts=16)
+        out = moe.moe_forward(config, weights, self.x, topk_ids=routed.expert_ids, topk_weights=routed.expert_weights)
+        assert torch.equal(out, sm.stepfun_moe(self.x, weights, self.logits, top_k=4))
+        self.assertExpectedInline(self.message(ValueError, moe.moe_forward, config, weights, self.x, self.logits), """moe_forward: RoutingInputMode.UnpackedPrecomputed takes topk_ids and topk_weights only""")
+
+    def test_full_path_env(self):
+        weights = self.config.prepare_weights(self.w1, self.w2)
+        with pytest.MonkeyPatch.context() as mp:
+            for value in ("auto", "1"):
+                mp.setenv(moe.FULL_PATH_ENV, value)
+                moe.moe_forward(self.config, weights, self.x, self.logits)
+            mp.setenv(moe.FULL_PATH_ENV, "0")
+            self.assertExpectedInline(self.message(NotImplementedError, moe.moe_forward, self.config, weights, self.x, self.logits), """CAKE_STEPFUN_FULL_PATH=0 asked for the FC1-only hybrid path, which the cake_stepfun backend no longer has; unset it or set auto / 1""")
+            mp.setenv(moe.FULL_PATH_ENV, "yes")
+            self.assertExpectedInline(self.message(ValueError, moe.moe_forward, self.config, weights, self.x, self.logits), """CAKE_STEPFUN_FULL_PATH must be auto, 1 or 0, got 'yes'""")
+
+    def test_config_rejections(self):
+        base = dict(num_experts=16, top_k=4, hidden_size=64, intermediate_size=32)
+        self.assertExpectedInline(self.message(ValueError, moe.MoEConfig, **base, num_fused_shared_experts=1), """MoEConfig: the cake_stepfun backend does not support fused shared experts, got num_fused_shared_experts=1 (run shared experts separately)""")
+        self.assertExpectedInline(self.message(ValueError, moe.MoEConfig, **base, lora=object()), """MoEConfig: the cake_stepfun backend does not support LoRA deltas on the experts""")
+        self.assertExpectedInline(self.message(ValueError, moe.CakeStepFunConfig, backend="trtllm"), """CakeStepFunConfig: backend must be 'cake_stepfun', got 'trtllm'""")
+        self.assertExpectedInline(self.message(ValueError, moe.SwiGLUStep, limit=-1.0), """SwiGLUStep: limit must be positive, got -1.0""")
+        self.assertExpectedInline(self.message(TypeError, moe.moe_forward, self.config, (self.w1, self.w2), self.x, self.logits), """moe_forward: weights must be the cake_stepfun view from CakeStepFunConfig.prepare_weights, got tuple""")

@@ -1,0 +1,179 @@
+"""The StepFun MoE forward (cake_ops.stepfun_moe, routing from logits included) vs the plain PyTorch
+pipeline, fused_moe_bf16 on the same shapes, and the floors.
+
+    python benchmarks/bench_stepfun_moe.py                        # the issue-5 shapes and token counts
+    python benchmarks/bench_stepfun_moe.py --shapes step35_flash --tokens 8,2048 --json out.json --plot out.png
+
+Per (shape, family, T): cake stepfun_moe eager and as a CUDA-graph replay; the plain PyTorch
+pipeline (topk + softmax routing, stable sort, torch._grouped_mm, SwiGLUStep, index_add combine)
+eager; fused_moe_bf16 (graph replay, routing outside it) for the issue's "bf16 within 1.1x"
+target; and the weight floor (bytes of the experts touched / 4.8 TB/s) and the FLOP floor (the
+dense torch.mm rate of the same run). Families this build does not run yet print their error.
+"""
+import argparse
+import datetime
+import json
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import cake_ops
+from bench_fused_moe import dense_rate
+from bench_grouped_gemm import HBM_TBPS, Timer, fmt, geomean
+from cake_ops import stepfun_moe as sm
+from cake_ops.fused_moe import fused_moe_bf16
+
+# (E, top_k, hidden, intermediate)
+SHAPES = {"issue_geometry": (64, 8, 4096, 1536), "step35_flash": (288, 8, 4096, 1280)}
+CPU_SHAPES = {"tiny": (16, 4, 128, 64)}
+TOKENS = [1, 8, 64, 512, 2048, 8192]
+CPU_TOKENS = [8, 64]
+FAMILIES = ["bf16", "fp8"]
+LIMIT = 7.0
+AMPLITUDE = 12.0
+
+
+def torch_stepfun(x, logits, w1_gate_up, w2, k, limit):
+    """The plain PyTorch pipeline a user writes with torch._grouped_mm (gate-first w1)."""
+    t, e = logits.shape
+    inter = w2.shape[2]
+    top, ids = torch.topk(logits.float(), k, dim=-1)
+    scales = torch.softmax(top, -1)
+    key = ids.flatten()
+    order = torch.sort(key, stable=True).indices
+    offs = torch.bincount(key, minlength=e).cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(x[order // k], w1_gate_up.transpose(-2, -1), offs=offs)
+    act = F.silu(h[:, :inter].float()).clamp(max=limit) * h[:, inter:].float().clamp(-limit, limit)
+    y = torch._grouped_mm(act.to(x.dtype), w2.transpose(-2, -1), offs=offs)
+    y = y.float() * scales.flatten()[order][:, None]
+    return torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, order // k, y).to(x.dtype)
+
+
+def run(args):
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    shapes = SHAPES if device == "cuda" else CPU_SHAPES
+    names = args.shapes.split(",") if args.shapes else list(shapes)
+    tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else (TOKENS if device == "cuda" else CPU_TOKENS)
+    timer = Timer(device, args.reps, args.warmup)
+    rows = []
+    for name in names:
+        e, k, h, inter = {**SHAPES, **CPU_SHAPES}[name]
+        w1 = (torch.randn(e, 2 * inter, h, device=device) / h**0.5).bfloat16()
+        w2 = (torch.randn(e, h, inter, device=device) / inter**0.5).bfloat16()
+        rate = dense_rate(timer, min(16384, max(tokens) * k), h, inter, device)
+        for family in args.families.split(","):
+            try:
+                weights = sm.prepare_weights(w1, w2, LIMIT, family=family)
+            except (NotImplementedError, ValueError) as exc:
+                print(f"{name:15} {family:5} {str(exc)}")
+                rows.append({"shape": name, "family": family, "error": str(exc)})
+                continue
+            for t in tokens:
+                x = (AMPLITUDE * torch.randn(t, h, device=device)).bfloat16()
+                logits = torch.randn(t, e, device=device)
+                ids = torch.topk(logits, k, dim=-1).indices
+                touched = ids.unique().numel()
+                flops = 2.0 * t * k * 3 * h * inter
+                row = {"shape": name, "family": family, "T": t, "E": e, "top_k": k, "hidden": h, "I": inter,
+                       "weight_floor_ms": touched * 3 * h * inter * 2 / (HBM_TBPS * 1e12) * 1e3,
+                       "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate}
+                routed = sm.routing(logits, top_k=k, num_experts=e)
+                ids32, scales = routed.expert_ids, routed.expert_weights
+                fns = {"cake": (lambda: sm.stepfun_moe(x, weights, logits, top_k=k), None),
+                       "torch": (lambda: torch_stepfun(x, logits, w1, w2, k, LIMIT), None)}
+                a, b = fns["cake"][0]().float(), fns["torch"][0]().float()
+                row["rel_diff_vs_torch"] = float((a - b).norm() / b.norm().clamp_min(1e-30))
+                if row["rel_diff_vs_torch"] > 3e-2:
+                    raise AssertionError(f"{name} T={t}: cake and the torch pipeline differ by {row['rel_diff_vs_torch']:.3g}")
+                results = timer.many(fns)
+                if device == "cuda":
+                    fused = lambda: fused_moe_bf16(x, ids32, scales, weights.w1, w2, e, k)  # noqa: E731
+                    results.update({f"{p}_graph": v for p, v in timer.many(
+                        {"cake": fns["cake"], "fused_moe_bf16": (fused, None)}, graph=True).items()})
+                for peer, ms in results.items():
+                    row[f"{peer}_ms" if not isinstance(ms, str) else f"{peer}_error"] = ms
+                best = row.get("cake_graph_ms", row.get("cake_ms"))
+                floor = max(row["weight_floor_ms"], row["flop_floor_ms"])
+                if best:
+                    row["cake_x_floor"] = best / floor
+                    row["speedup_vs_torch"] = row["torch_ms"] / best if "torch_ms" in row else None
+                    if "fused_moe_bf16_graph_ms" in row:
+                        row["over_fused_moe_bf16"] = best / row["fused_moe_bf16_graph_ms"]
+                rows.append(row)
+                print_row(row)
+    return device, rows
+
+
+HEADER = (f"{'shape':15} {'fam':5} {'T':>6} {'cake':>8} {'cake gr':>8} {'torch':>8} {'fused gr':>8} {'W floor':>8} "
+          f"{'F floor':>8} {'x floor':>7} {'x torch':>7} {'/fused':>7}  (ms)")
+
+
+def print_row(r):
+    cols = ["cake_ms", "cake_graph_ms", "torch_ms", "fused_moe_bf16_graph_ms", "weight_floor_ms", "flop_floor_ms"]
+    print(f"{r['shape']:15} {r['family']:5} {r['T']:6d} " + " ".join(fmt(r.get(c), "8.3f") for c in cols) +
+          f" {fmt(r.get('cake_x_floor'), '7.2f')} {fmt(r.get('speedup_vs_torch'), '7.2f')}"
+          f" {fmt(r.get('over_fused_moe_bf16'), '7.2f')}", flush=True)
+
+
+def summary(rows):
+    out = {}
+    for key in ("cake_x_floor", "speedup_vs_torch", "over_fused_moe_bf16"):
+        values = [r[key] for r in rows if r.get(key)]
+        if values:
+            out[key] = {"geomean": geomean(values), "min": min(values), "max": max(values)}
+            print(f"{key:22} geomean {out[key]['geomean']:.3f} (min {out[key]['min']:.3f}, max {out[key]['max']:.3f})")
+    return out
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["shape"], r["family"]) for r in rows if "T" in r})
+    fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(5 * max(len(keys), 1), 4), squeeze=False)
+    for ax, (shape, family) in zip(axes[0], keys):
+        sel = [r for r in rows if r["shape"] == shape and r["family"] == family and "T" in r]
+        ts = [r["T"] for r in sel]
+        for key, style in [("cake_graph_ms", "r-o"), ("cake_ms", "r--"), ("torch_ms", "b-s"),
+                           ("fused_moe_bf16_graph_ms", "g-^"), ("weight_floor_ms", "k:"), ("flop_floor_ms", "k-.")]:
+            if any(key in r for r in sel):
+                ax.plot(ts, [r.get(key, float("nan")) for r in sel], style, label=key[:-3])
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{shape} {family}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="")
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--tokens", default="", help="comma-separated token counts")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--json", default="")
+    p.add_argument("--plot", default="")
+    args = p.parse_args()
+    warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
+    print(HEADER)
+    device, rows = run(args)
+    result = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
+                       "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": args.reps},
+              "summary": summary(rows), "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -60,14 +60,16 @@ TORCH_LIBRARY(cake, m) {
   // expert's end are zeros. enable_pdl: launch the CUDA kernels with Programmatic Dependent
   // Launch (numerics unaffected). clamp_limits (float32 [E_local]) makes the activation StepFun's
   // SwiGLUStep, min(silu(gate), L_e) * clamp(up, -L_e, L_e) with L_e the row's expert's limit.
+  // tactic (both MoE GEMMs): -1 = the grouped GEMM's own choice (tuned or heuristic), else that
+  // tactic of the fwd family (grouped_gemm_tactics("fwd" / "fwd_f16")); the CPU ignores it.
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
-      "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None) -> Tensor");
+      "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1) -> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. Rows past the last expert's end belong to no route
   // and are left unwritten on CUDA (moe_finalize never reads them; with expert parallelism they
   // are most of the tensor).
-  m.def("moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True) -> Tensor");
+  m.def("moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True, int tactic=-1) -> Tensor");
   // Weighted combine into token order: out[t] = sum_j scales[t, j] * permuted_rows[p(t, j)] over
   // the kept routes (expanded_to_permuted >= 0), fp32 in route order, one rounding: [T, H].
   m.def(

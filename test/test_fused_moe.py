@@ -7,7 +7,8 @@ import torch
 
 from cake_ops import nn as cake_ops_nn
 from cake_ops import reference
-from cake_ops.fused_moe import default_tile_size, fused_moe_bf16, interleave_up_gate_sm90
+import cake_ops
+from cake_ops.fused_moe import default_tile_size, fused_moe_bf16, interleave_up_gate_sm90, override_tactic
 from moe_problems import ROUTING_CASES, moe_problem
 
 HAS_CUDA = torch.cuda.is_available()
@@ -70,6 +71,35 @@ def test_default_tile_size():
     assert default_tile_size(8192, 8, 128, 768) == 128   # 512 rows per expert
     assert default_tile_size(256, 8, 128, 128) == 128    # 16 rows per expert, tiny I
     assert default_tile_size(256, 8, 128, 768) == 64
+
+
+has_tactics = pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactics"),
+                                 reason="built without CUDA kernels (no tactic tables)")
+
+
+@has_tactics
+def test_overrides_pick_the_grouped_gemm_tactic():
+    names = cake_ops._C.grouped_gemm_tactics("fwd")
+    assert override_tactic("fwd", "GEMM1") == -1  # no override: the tuned or heuristic choice
+    assert names[override_tactic("fwd", "GEMM1", 64, 256)] == "fwd_bf16_ping_64x256x64_c1x1"
+    assert names[override_tactic("fwd", "GEMM2", 128, 256, 64, (1, 2), False)] == "fwd_bf16_coop_128x256x64_c1x2_rasterN"
+    assert names[override_tactic("fwd", "GEMM2", 128, 128, None, (1, 1), True)] == "fwd_bf16_ping_128x128x64_c1x1"
+    assert cake_ops._C.grouped_gemm_tactics("fwd_f16")[override_tactic("fwd_f16", "GEMM1", 128, 128)] == \
+        "fwd_f16_ping_128x128x64_c1x1"
+    with pytest.raises(ValueError, match=r"cake_ops.fused_moe_bf16: no GEMM2 kernel configuration has tile_m=128, "
+                                         r"tile_k=32; this build's fwd tiles .*128x128x64 c1x1"):
+        override_tactic("fwd", "GEMM2", 128, None, 32)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the overrides choose CUDA kernels")
+def test_overrides_run_the_chosen_kernels():
+    x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", "cuda", torch.bfloat16, hidden=256, inter=128)
+    w1i = interleave_up_gate_sm90(w1)
+    expected = reference.moe_forward(x, ids, scales, w1, w2)
+    for overrides in (dict(tile_size=64, gemm1_tile_n=256), dict(tile_size=128, gemm2_tile_n=256, gemm2_cluster_shape_mn=(1, 2)),
+                      dict(gemm2_tile_n=128, gemm2_raster_along_m=False, gemm2_cluster_shape_mn=(1, 1))):
+        out = fused_moe_bf16(x, ids, scales, w1i, w2, e, k, **overrides)
+        assert (out.float() - expected).norm() / expected.norm() < 2e-2, overrides
 
 
 def test_compiles_fullgraph():

@@ -49,7 +49,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort(
 
 at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
-                            int64_t top_k, bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits) {
+                            int64_t top_k, bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits,
+                            int64_t /*tactic*/) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
@@ -95,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
-                     bool /*enable_pdl*/) {
+                     bool /*enable_pdl*/, int64_t /*tactic*/) {
   return grouped_gemm_fwd_op().call(intermediate, w2, expert_offsets);
 }
 

@@ -151,7 +151,8 @@ def _moe_routing_fake(router_logits, topk_ids, topk_weights, top_k, num_experts,
 
 
 @register_fake("cake::moe_gemm1_swiglu")
-def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True, clamp_limits=None):
+def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True, clamp_limits=None,
+                           tactic=-1):
     op = "cake::moe_gemm1_swiglu"
     _check(x.dim() == 2 and w1.dim() == 3, f"{op}: x must be [num_tokens, hidden] and w1 [E_local, 2I, hidden]")
     _check(w1.shape[2] == x.shape[1] and w1.shape[1] % 64 == 0,
@@ -162,7 +163,7 @@ def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, e
 
 
 @register_fake("cake::moe_gemm2")
-def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True):
+def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True, tactic=-1):
     return intermediate.new_empty(check_fwd(intermediate, w2, expert_offsets, "cake::moe_gemm2"))
 
 

@@ -11,21 +11,25 @@ grouped GEMM (bf16 or fp16), a SwiGLU pass, the grouped GEMM again and the fixed
 with ``enable_pdl`` (default) every kernel of the chain launches with Programmatic Dependent
 Launch. Status (issue 4): the gather and SwiGLU are not yet fused into GEMM1's mainloop and
 epilogue, and both ``use_fused_finalize`` values run the deterministic combine (so the output is
-bitwise reproducible either way); the tile, cluster and raster overrides are validated by the
-specification's rules but the grouped GEMM's own tactic choice decides the tiles: the heuristic,
-or inside ``cake_ops.autotune()`` the fastest of every tactic, timed per shape bucket of each GEMM
-and kept (in memory, and in the context's cache file) for later calls, graphs and compiled code.
+bitwise reproducible either way). Tiles: the tile / cluster / raster overrides, checked by the
+specification's rules, pick the grouped GEMM configuration of each GEMM (:func:`override_tactic`;
+a combination this build has no kernel for is an error that lists the ones it has); without
+them the grouped GEMM's heuristic decides, or inside ``cake_ops.autotune()`` the fastest of every
+tactic, timed per shape bucket of each GEMM and kept (in memory, and in the context's cache
+file) for later calls, graphs and compiled code.
 """
 from __future__ import annotations
 
+import re
 from typing import Optional, Tuple
 
 import torch
 
+from . import _C
 from ._experimental import warn_experimental
 from .autotune import tune_grouped_gemm, tuning_active
 
-__all__ = ["default_tile_size", "fused_moe_bf16", "interleave_up_gate_sm90"]
+__all__ = ["default_tile_size", "fused_moe_bf16", "interleave_up_gate_sm90", "override_tactic"]
 
 INTERLEAVE_ROWS = 32
 _NAME = "cake_ops.fused_moe_bf16"
@@ -88,6 +92,35 @@ def _check_overrides(hidden: int, intermediate: int, tile_size, gemm1_tile_n, ge
                    f"hidden={hidden} / gemm2_tile_n={tile_n} = {hidden // tile_n}")
     _check(gemm2_raster_along_m is None or isinstance(gemm2_raster_along_m, bool),
            f"gemm2_raster_along_m must be a bool or None, got {gemm2_raster_along_m!r}")
+
+
+_TACTIC_NAME = re.compile(r"^fwd_(?:bf16|f16)_(?:coop|ping)_(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)(_rasterN)?(_swz\d+)?$")
+
+
+def override_tactic(family: str, gemm: str, tile_m: Optional[int] = None, tile_n: Optional[int] = None,
+                    tile_k: Optional[int] = None, cluster_mn: Optional[Tuple[int, int]] = None,
+                    raster_along_m: Optional[bool] = None) -> int:
+    """The grouped GEMM tactic (index into ``_C.grouped_gemm_tactics(family)``) that honours every
+    override given, -1 when none is given (the tuned or heuristic choice then runs). The first
+    match in table order wins (a configuration's default tile order comes first). Swap-AB tactics
+    (weight on the tile's M side) never match: the overrides name the row tile."""
+    wanted = (tile_m, tile_n, tile_k, None if cluster_mn is None else tuple(cluster_mn), raster_along_m)
+    if all(v is None for v in wanted) or not hasattr(_C, "grouped_gemm_tactics"):
+        return -1  # nothing asked, or a CPU-only build (no kernels to choose from)
+    tiles = set()
+    for index, name in enumerate(_C.grouped_gemm_tactics(family)):
+        m = _TACTIC_NAME.match(name)
+        if not m:
+            continue
+        tm, tn, tk, cm, cn = map(int, m.groups()[:5])
+        tiles.add(f"{tm}x{tn}x{tk} c{cm}x{cn}")
+        have = (tm, tn, tk, (cm, cn), m.group(6) is None)
+        if all(w is None or w == h for w, h in zip(wanted, have)):
+            return index
+    asked = ", ".join(f"{k}={v}" for k, v in zip(("tile_m", "tile_n", "tile_k", "cluster", "raster_along_m"), wanted)
+                      if v is not None)
+    raise ValueError(f"{_NAME}: no {gemm} kernel configuration has {asked}; this build's {family} tiles (M x N x K, "
+                     f"cluster): {', '.join(sorted(tiles))}")
 
 
 def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_final_scales: torch.Tensor,
@@ -155,25 +188,29 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     tile = tile_size or default_tile_size(num_tokens, top_k, num_local, intermediate)
     _, offsets, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
         ids, num_experts, num_local, local_expert_offset, tile)
-    # Inside cake_ops.autotune(), a new shape bucket first times every tactic of each GEMM (the
-    # grouped GEMM's tactic table, keyed by E_local, T * top_k rounded up, N and K); explicit
-    # overrides bypass the tuner.
+    # Explicit tile / cluster / raster overrides pick the grouped GEMM tactic of each GEMM (and
+    # bypass the tuner). Otherwise, inside cake_ops.autotune(), a new shape bucket first times
+    # every tactic of each GEMM (keyed by E_local, T * top_k rounded up, N and K).
+    family = "fwd_f16" if x.dtype == torch.float16 else "fwd"
+    gemm1_tactic = override_tactic(family, "GEMM1", tile_size, gemm1_tile_n) if x.is_cuda else -1
+    gemm2_tactic = override_tactic(family, "GEMM2", tile_size, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
+                                   gemm2_raster_along_m) if x.is_cuda else -1
     overrides = (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
                  gemm2_raster_along_m, intermediate_buffer)
     tune = tuning_active() and x.is_cuda and all(o is None for o in overrides)
-    family = "fwd_f16" if x.dtype == torch.float16 else "fwd"
     rows = num_tokens * top_k
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, rows, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
             x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl), x.device)
-    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl)
+    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
+                                            tactic=gemm1_tactic)
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, rows, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
             inter, w2_weight, offsets, enable_pdl), x.device)
     if intermediate_buffer is not None:
         intermediate_buffer.copy_(inter)
         inter = intermediate_buffer
-    rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl)
+    rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, gemm2_tactic)
     if moe_output is not None:
         torch.ops.cake.moe_finalize_out(rows, expanded_to_permuted, scales, moe_output, enable_pdl)
         return moe_output

@@ -46,7 +46,7 @@ void check_workspace(const at::Tensor& workspace, const GroupedGemmShape& s, con
 
 void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op, bool pdl,
-                 bool zero_tail) {
+                 bool zero_tail, int64_t forced_tactic = -1) {
   check_cuda_operands(kind, s, a, b, out, op);
   check_workspace(workspace, s, a, op);
   c10::cuda::CUDAGuard guard(a.device());
@@ -77,7 +77,10 @@ void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
   switch (arch) {
     case KernelArch::kSm90: {
       const TacticFamily family = tactic_family(kind, out.scalar_type());
-      const Tactic& tactic = tactics_sm90(family)[choose_tactic_sm90(family, s)];
+      const auto& table = tactics_sm90(family);
+      TORCH_CHECK(forced_tactic < static_cast<int64_t>(table.size()), op, ": tactic must be below ", table.size(),
+                  ", got ", forced_tactic);
+      const Tactic& tactic = table[forced_tactic >= 0 ? forced_tactic : choose_tactic_sm90(family, s)];
       p.raster_along_n = tactic.raster_along_n;
       p.swizzle = tactic.swizzle;
       tactic.launch(p, stream);
@@ -103,9 +106,10 @@ struct CudaBackend {
 }  // namespace
 
 void run_grouped_gemm_cuda(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
-                           const at::Tensor& offs, at::Tensor& out, const char* op, bool pdl, bool zero_tail) {
+                           const at::Tensor& offs, at::Tensor& out, const char* op, bool pdl, bool zero_tail,
+                           int64_t tactic) {
   auto workspace = CudaBackend::workspace(s, a);
-  launch_with(kind, s, a, b, offs, out, workspace, op, pdl, zero_tail);
+  launch_with(kind, s, a, b, offs, out, workspace, op, pdl, zero_tail, tactic);
 }
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {

@@ -62,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort_
 
 at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                                  const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
-                                 const c10::optional<at::Tensor>& clamp_limits_in) {
+                                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x_in, w1, permuted_to_expanded, expert_offsets, top_k, op);
   at::Tensor clamp_limits;
@@ -88,7 +88,7 @@ at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x_in, const at::Tensor& w1, c
   auto h = at::empty({s.rows, 2 * s.intermediate}, x.options());
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
-                        /*zero_tail=*/false);
+                        /*zero_tail=*/false, tactic);
   auto out = at::empty({s.rows, s.intermediate}, x.options());
   sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, expert_offsets.data_ptr<int32_t>(),
                    static_cast<int>(w1.size(0)), clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr,
@@ -126,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 }
 
 at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
-                          bool enable_pdl) {
+                          bool enable_pdl, int64_t tactic) {
   const char* op = "cake::moe_gemm2";
   const auto shape = check_fwd(intermediate, w2, expert_offsets, op);
   check_gemm_dtype(intermediate, op);
@@ -134,7 +134,7 @@ at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, 
   auto out = at::empty({shape.sum_m, shape.n}, intermediate.options());
   // Rows past the last expert's end stay unwritten (the schema's contract): no route reads them.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, intermediate, w2, expert_offsets, out, op, enable_pdl,
-                        /*zero_tail=*/false);
+                        /*zero_tail=*/false, tactic);
   return out;
 }
 

@@ -141,9 +141,10 @@ def print_row(r):
           f" {fmt(r.get('speedup_vs_torch_compiled'), '7.2f')} {fmt(r.get('cake_tflops'), '6.1f')}", flush=True)
 
 
-def summary(rows):
+def summarize(rows, keys):
+    """{key: geomean, min, max} over the rows that have it, printed."""
     out = {}
-    for key in ("cake_x_floor", "speedup_vs_torch", "speedup_vs_torch_compiled", "det_over_fused"):
+    for key in keys:
         values = [r[key] for r in rows if r.get(key)]
         if values:
             out[key] = {"geomean": geomean(values), "min": min(values), "max": max(values)}
@@ -151,29 +152,40 @@ def summary(rows):
     return out
 
 
-def plot(rows, path):
+def plot_panels(panels, series, path):
+    """One log-log panel of ms against tokens per (title, rows); series = [(row key, line style)]."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in rows}, key=[r["model"] for r in rows].index)
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        sel = [r for r in rows if r["model"] == model]
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(5 * max(len(panels), 1), 4), squeeze=False)
+    for ax, (title, sel) in zip(axes[0], panels):
         ts = [r["T"] for r in sel]
-        for key, style in [("cake_fused_graph_ms", "r-o"), ("cake_fused_ms", "r--"), ("cake_det_ms", "m:"),
-                           ("torch_ms", "b-s"), ("torch_compiled_ms", "c-^"), ("weight_floor_ms", "k:"),
-                           ("flop_floor_ms", "k-.")]:
+        for key, style in series:
             if any(key in r for r in sel):
                 ax.plot(ts, [r.get(key, float("nan")) for r in sel], style, label=key[:-3])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens")
         ax.set_ylabel("ms")
-        ax.set_title(model)
+        ax.set_title(title)
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def write_results(path, device, summary, rows, reps):
+    result = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
+                       "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": reps},
+              "summary": summary, "rows": rows}
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+SUMMARY_KEYS = ("cake_x_floor", "speedup_vs_torch", "speedup_vs_torch_compiled", "det_over_fused")
+SERIES = [("cake_fused_graph_ms", "r-o"), ("cake_fused_ms", "r--"), ("cake_det_ms", "m:"), ("torch_ms", "b-s"),
+          ("torch_compiled_ms", "c-^"), ("weight_floor_ms", "k:"), ("flop_floor_ms", "k-.")]
 
 
 def main():
@@ -190,16 +202,12 @@ def main():
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     print(HEADER)
     device, rows = run(args)
-    result = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
-                       "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                       "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": args.reps},
-              "summary": summary(rows), "rows": rows}
+    summary = summarize(rows, SUMMARY_KEYS)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.json, device, summary, rows, args.reps)
     if args.plot:
-        plot(rows, args.plot)
-
+        models = sorted({r["model"] for r in rows}, key=[r["model"] for r in rows].index)
+        plot_panels([(m, [r for r in rows if r["model"] == m]) for m in models], SERIES, args.plot)
 
 if __name__ == "__main__":
     main()

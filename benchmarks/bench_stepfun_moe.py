@@ -11,16 +11,14 @@ target; and the weight floor (bytes of the experts touched / 4.8 TB/s) and the F
 dense torch.mm rate of the same run). Families this build does not run yet print their error.
 """
 import argparse
-import datetime
-import json
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 import cake_ops
-from bench_fused_moe import dense_rate
-from bench_grouped_gemm import HBM_TBPS, Timer, fmt, geomean
+from bench_fused_moe import dense_rate, plot_panels, summarize, write_results
+from bench_grouped_gemm import HBM_TBPS, Timer, fmt
 from cake_ops import stepfun_moe as sm
 from cake_ops.fused_moe import fused_moe_bf16
 
@@ -116,38 +114,8 @@ def print_row(r):
           f" {fmt(r.get('over_fused_moe_bf16'), '7.2f')}", flush=True)
 
 
-def summary(rows):
-    out = {}
-    for key in ("cake_x_floor", "speedup_vs_torch", "over_fused_moe_bf16"):
-        values = [r[key] for r in rows if r.get(key)]
-        if values:
-            out[key] = {"geomean": geomean(values), "min": min(values), "max": max(values)}
-            print(f"{key:22} geomean {out[key]['geomean']:.3f} (min {out[key]['min']:.3f}, max {out[key]['max']:.3f})")
-    return out
-
-
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted({(r["shape"], r["family"]) for r in rows if "T" in r})
-    fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(5 * max(len(keys), 1), 4), squeeze=False)
-    for ax, (shape, family) in zip(axes[0], keys):
-        sel = [r for r in rows if r["shape"] == shape and r["family"] == family and "T" in r]
-        ts = [r["T"] for r in sel]
-        for key, style in [("cake_graph_ms", "r-o"), ("cake_ms", "r--"), ("torch_ms", "b-s"),
-                           ("fused_moe_bf16_graph_ms", "g-^"), ("weight_floor_ms", "k:"), ("flop_floor_ms", "k-.")]:
-            if any(key in r for r in sel):
-                ax.plot(ts, [r.get(key, float("nan")) for r in sel], style, label=key[:-3])
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("ms")
-        ax.set_title(f"{shape} {family}")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+SERIES = [("cake_graph_ms", "r-o"), ("cake_ms", "r--"), ("torch_ms", "b-s"), ("fused_moe_bf16_graph_ms", "g-^"),
+          ("weight_floor_ms", "k:"), ("flop_floor_ms", "k-.")]
 
 
 def main():
@@ -164,16 +132,13 @@ def main():
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     print(HEADER)
     device, rows = run(args)
-    result = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
-                       "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                       "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": args.reps},
-              "summary": summary(rows), "rows": rows}
+    summary = summarize(rows, ("cake_x_floor", "speedup_vs_torch", "over_fused_moe_bf16"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.json, device, summary, rows, args.reps)
     if args.plot:
-        plot(rows, args.plot)
-
+        keys = sorted({(r["shape"], r["family"]) for r in rows if "T" in r})
+        plot_panels([(f"{shape} {family}", [r for r in rows if (r["shape"], r["family"]) == (shape, family) and "T" in r])
+                     for shape, family in keys], SERIES, args.plot)
 
 if __name__ == "__main__":
     main()

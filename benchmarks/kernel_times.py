@@ -16,7 +16,9 @@ import cake_ops
 from bench_grouped_gemm import SHAPES, cases, group_sizes
 
 
-def kernel_means(fn, iters):
+def graph_events(fn, iters):
+    """The CUDA events of `iters` replays of fn's CUDA graph (torch.profiler, in start order) and
+    the mean replay time in us, measured separately without the profiler."""
     g = torch.cuda.CUDAGraph()
     fn()
     with torch.cuda.graph(g):
@@ -28,17 +30,24 @@ def kernel_means(fn, iters):
         for _ in range(iters):
             g.replay()
         torch.cuda.synchronize()
-    totals = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            totals[ev.name[:90]] += ev.device_time_total
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
         g.replay()
     end.record()
     end.synchronize()
-    return {k: v / iters for k, v in totals.items()}, start.elapsed_time(end) * 1e3 / iters
+    return events, start.elapsed_time(end) * 1e3 / iters
+
+
+def kernel_means(fn, iters):
+    """{kernel name: mean us per replay} of fn's CUDA graph, and the mean replay time in us."""
+    events, us = graph_events(fn, iters)
+    totals = collections.defaultdict(float)
+    for ev in events:
+        totals[ev.name[:90]] += ev.device_time_total
+    return {k: v / iters for k, v in totals.items()}, us
 
 
 def main():

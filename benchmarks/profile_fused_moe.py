@@ -2,7 +2,7 @@
 (torch.profiler), the end-to-end replay time and the weight floor (bytes of the experts touched /
 4.8 TB/s). A diagnostic next to bench_fused_moe.py, which holds the issue's comparison.
 
-    python benchmarks/profile_fused_moe.py --models qwen3_30b,mixtral --tokens 1,256,4096
+    python benchmarks/profile_fused_moe.py --models qwen3_30b,mixtral_8x7b --tokens 1,256,4096
 """
 import argparse
 import warnings
@@ -12,37 +12,20 @@ import torch
 import cake_ops
 from bench_fused_moe import MODELS
 from cake_ops.fused_moe import fused_moe_bf16
+from kernel_times import graph_events
 
 
 def kernels_in_order(fn, iters):
     """(short name, mean us) of each kernel of one replay of fn's CUDA graph, in launch order (GEMM1
     and GEMM2 stay apart even when they run the same configuration), and the mean replay time.
     With PDL a kernel's span includes its wait for its predecessor."""
-    g = torch.cuda.CUDAGraph()
-    fn()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            g.replay()
-        torch.cuda.synchronize()
-    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda ev: ev.time_range.start)
+    events, us = graph_events(fn, iters)
     per_replay = len(events) // iters
     spans = [[0.0, ""] for _ in range(per_replay)]
     for i, ev in enumerate(events[:per_replay * iters]):
         spans[i % per_replay][0] += ev.device_time_total / iters
         spans[i % per_replay][1] = ev.name
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return [(short_name(name), us) for us, name in spans], start.elapsed_time(end) * 1e3 / iters
+    return [(short_name(name), kus) for kus, name in spans], us
 
 
 def short_name(name):

@@ -279,38 +279,35 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
 
 // ---- element conversions (8 values per 16 bytes) ----------------------------------------------
 template <class T>
-struct Vec8;
+struct Pair;  // the two-element vector of T and its float conversions
 template <>
-struct Vec8<__nv_bfloat16> {
-  static __device__ void load(const uint4& v, float* f) {
-    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-    for (int i = 0; i < 4; ++i) {
-      const float2 p = __bfloat1622float2(h[i]);
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-    }
-  }
-  static __device__ uint4 store(const float* f) {
-    uint4 v;
-    auto* h = reinterpret_cast<__nv_bfloat162*>(&v);
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    return v;
-  }
+struct Pair<__nv_bfloat16> {
+  using Type = __nv_bfloat162;
+  static __device__ float2 to_float2(Type v) { return __bfloat1622float2(v); }
+  static __device__ Type from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
 template <>
-struct Vec8<__half> {
+struct Pair<__half> {
+  using Type = __half2;
+  static __device__ float2 to_float2(Type v) { return __half22float2(v); }
+  static __device__ Type from_floats(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+template <class T>
+struct Vec8 {
+  using P = Pair<T>;
   static __device__ void load(const uint4& v, float* f) {
-    const auto* h = reinterpret_cast<const __half2*>(&v);
+    const auto* h = reinterpret_cast<const typename P::Type*>(&v);
     for (int i = 0; i < 4; ++i) {
-      const float2 p = __half22float2(h[i]);
+      const float2 p = P::to_float2(h[i]);
       f[2 * i] = p.x;
       f[2 * i + 1] = p.y;
     }
   }
   static __device__ uint4 store(const float* f) {
     uint4 v;
-    auto* h = reinterpret_cast<__half2*>(&v);
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    auto* h = reinterpret_cast<typename P::Type*>(&v);
+    for (int i = 0; i < 4; ++i) h[i] = P::from_floats(f[2 * i], f[2 * i + 1]);
     return v;
   }
 };

@@ -3,15 +3,14 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <vector>
+
+#include "grouped_gemm_checks.h"
+
 namespace cake {
 
-MoeSortShape check_moe_sort(const at::Tensor& ids, int64_t num_experts, int64_t num_local_experts,
-                            int64_t local_expert_offset, int64_t tile_size, const char* op) {
-  TORCH_CHECK(ids.dim() == 2, op, ": token_selected_experts must be a 2-D [num_tokens, top_k] tensor, got shape ",
-              ids.sizes());
-  TORCH_CHECK(ids.scalar_type() == at::kInt, op, ": token_selected_experts must be int32, got ",
-              ids.scalar_type());
-  TORCH_CHECK(ids.is_contiguous(), op, ": token_selected_experts must be contiguous");
+void check_moe_shard(int64_t num_experts, int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size,
+                     const char* op) {
   TORCH_CHECK(num_experts > 0, op, ": num_experts must be positive, got ", num_experts);
   TORCH_CHECK(num_local_experts > 0 && num_local_experts <= num_experts, op,
               ": num_local_experts must be in [1, num_experts=", num_experts, "], got ", num_local_experts);
@@ -20,6 +19,16 @@ MoeSortShape check_moe_sort(const at::Tensor& ids, int64_t num_experts, int64_t 
               local_expert_offset, ", ", local_expert_offset + num_local_experts,
               ") must lie within [0, num_experts=", num_experts, ")");
   TORCH_CHECK(tile_size > 0, op, ": tile_size must be positive, got ", tile_size);
+}
+
+MoeSortShape check_moe_sort(const at::Tensor& ids, int64_t num_experts, int64_t num_local_experts,
+                            int64_t local_expert_offset, int64_t tile_size, const char* op) {
+  TORCH_CHECK(ids.dim() == 2, op, ": token_selected_experts must be a 2-D [num_tokens, top_k] tensor, got shape ",
+              ids.sizes());
+  TORCH_CHECK(ids.scalar_type() == at::kInt, op, ": token_selected_experts must be int32, got ",
+              ids.scalar_type());
+  TORCH_CHECK(ids.is_contiguous(), op, ": token_selected_experts must be contiguous");
+  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
   TORCH_CHECK(ids.size(0) * ids.size(1) < (int64_t{1} << 31), op,
               ": num_tokens * top_k must fit in int32, got ", ids.size(0) * ids.size(1));
   return {ids.size(0), ids.size(1), num_local_experts};
@@ -67,6 +76,13 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
   return {tokens, top_k, permuted_rows.size(1)};
 }
 
+int64_t moe_gemm1_workspace_bytes(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,
+                                  int64_t element_size) {
+  auto align = [](int64_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; };
+  return align(rows * hidden * element_size) + align(rows * 2 * intermediate * element_size) +
+         grouped_gemm_workspace_bytes(num_local_experts);
+}
+
 void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, const at::Tensor& like, const char* op) {
   TORCH_CHECK(limits.dim() == 1 && limits.size(0) == num_local_experts && limits.scalar_type() == at::kFloat, op,
               ": clamp_limits must be float32 [E_local] = [", num_local_experts, "], got ", limits.scalar_type(), " ",
@@ -105,6 +121,36 @@ int64_t check_moe_routing(const c10::optional<at::Tensor>& logits, const c10::op
   TORCH_CHECK(w.device() == ids.device(), op, ": topk_ids and topk_weights must be on one device, got ", ids.device(),
               " and ", w.device());
   return ids.size(0);
+}
+
+void check_moe_routing_out(int64_t tokens, int64_t top_k, int64_t num_local_experts, const at::Tensor& ids,
+                           const at::Tensor& weights, const at::Tensor& counts, const at::Tensor& offsets,
+                           const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
+                           const at::Tensor& tile_offsets, const at::Tensor& workspace, const at::Tensor& like,
+                           const char* op) {
+  const struct {
+    const at::Tensor& t;
+    const char* name;
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+  } outs[] = {{ids, "expert_ids", {tokens, top_k}, at::kInt},
+              {weights, "expert_weights", {tokens, top_k}, at::kFloat},
+              {counts, "expert_counts", {num_local_experts}, at::kInt},
+              {offsets, "expert_offsets", {num_local_experts + 1}, at::kInt},
+              {permuted_to_expanded, "permuted_to_expanded", {tokens * top_k}, at::kInt},
+              {expanded_to_permuted, "expanded_to_permuted", {tokens * top_k}, at::kInt},
+              {tile_offsets, "expert_tile_offsets", {num_local_experts + 1}, at::kInt}};
+  for (const auto& o : outs) {
+    TORCH_CHECK(o.t.sizes() == at::IntArrayRef(o.shape) && o.t.scalar_type() == o.dtype && o.t.is_contiguous() &&
+                    o.t.device() == like.device(),
+                op, ": ", o.name, " must be a contiguous ", o.dtype, " tensor of shape ", at::IntArrayRef(o.shape),
+                " on ", like.device(), ", got ", o.t.scalar_type(), " ", o.t.sizes(), " on ", o.t.device());
+  }
+  const int64_t need = moe_routing_workspace_bytes(tokens * top_k, num_local_experts);
+  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.numel() >= need &&
+                  workspace.is_contiguous() && workspace.device() == like.device(),
+              op, ": workspace must be a contiguous uint8 tensor of at least ", need, " bytes on ", like.device(),
+              " (cake_ops._C.moe_routing_workspace_size), got ", workspace.scalar_type(), " ", workspace.sizes());
 }
 
 void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, const at::Tensor& permuted_rows,

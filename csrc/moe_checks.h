@@ -5,11 +5,27 @@
 
 namespace cake {
 
+// Workspace of moe_routing_out: the multi-block sort's per-(block, expert) rows, int32. A block
+// takes at least kMoeSortRoutesPerStep routes (one warp step), so this bounds every GPU's need.
+constexpr int64_t kMoeSortRoutesPerStep = 128;
+inline int64_t moe_routing_workspace_bytes(int64_t routes, int64_t num_local_experts) {
+  return 4 * ((routes + kMoeSortRoutesPerStep - 1) / kMoeSortRoutesPerStep) * num_local_experts;
+}
+
+// Workspace of moe_gemm1_swiglu_out: the gathered rows [rows, H], GEMM1's output [rows, 2I]
+// (element_size bytes each) and the grouped GEMM's own workspace, each 256-byte aligned.
+int64_t moe_gemm1_workspace_bytes(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,
+                                  int64_t element_size);
+
 struct MoeSortShape {
   int64_t num_tokens = 0;
   int64_t top_k = 0;
   int64_t num_local_experts = 0;
 };
+
+// The shard and tile arguments of the routing ops.
+void check_moe_shard(int64_t num_experts, int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size,
+                     const char* op);
 
 MoeSortShape check_moe_sort(const at::Tensor& token_selected_experts, int64_t num_experts,
                             int64_t num_local_experts, int64_t local_expert_offset,
@@ -42,6 +58,15 @@ void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, con
 int64_t check_moe_routing(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
                           const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
                           const char* op);
+
+// moe_routing_out's caller-owned outputs ([T, k] int32 ids, [T, k] float32 weights, [E_local]
+// counts, [E_local + 1] offsets, [T * k] permutations, [E_local + 1] tile offsets, all int32 but
+// the weights, contiguous, on `like`'s device) and its byte workspace.
+void check_moe_routing_out(int64_t tokens, int64_t top_k, int64_t num_local_experts, const at::Tensor& ids,
+                           const at::Tensor& weights, const at::Tensor& counts, const at::Tensor& offsets,
+                           const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
+                           const at::Tensor& tile_offsets, const at::Tensor& workspace, const at::Tensor& like,
+                           const char* op);
 
 // A caller-owned combine output: [num_tokens, hidden], permuted_rows' dtype and device, contiguous.
 void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, const at::Tensor& permuted_rows,

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "grouped_gemm_checks.h"
+#include "moe_checks.h"
 #ifdef CAKE_WITH_CUDA
 #include "cuda/grouped_gemm/grouped_gemm_tactics.h"
 #endif
@@ -75,6 +76,18 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_finalize(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
       "bool enable_pdl=True) -> Tensor");
+  // moe_routing and moe_gemm1_swiglu into caller-owned outputs, with caller-owned uint8 workspaces
+  // of moe_routing_workspace_size(T * top_k, E_local) and moe_gemm1_workspace_size(T * top_k, H, I,
+  // E_local, element_size) bytes: these allocate nothing (prepared launches).
+  m.def(
+      "moe_routing_out(Tensor? router_logits, Tensor? topk_ids, Tensor? topk_weights, int top_k, int num_experts, "
+      "int num_local_experts, int local_expert_offset, int tile_size, Tensor(a!) expert_ids, "
+      "Tensor(b!) expert_weights, Tensor(c!) expert_counts, Tensor(d!) expert_offsets, "
+      "Tensor(e!) permuted_to_expanded, Tensor(f!) expanded_to_permuted, Tensor(g!) expert_tile_offsets, "
+      "Tensor(h!) workspace) -> ()");
+  m.def(
+      "moe_gemm1_swiglu_out(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, int top_k, "
+      "Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1) -> ()");
   // The same into a caller-owned [T, H] tensor of permuted_rows' dtype (fused_moe_bf16's moe_output).
   m.def(
       "moe_finalize_out(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
@@ -161,7 +174,33 @@ PyObject* clear_grouped_gemm_tuned_tactics(PyObject*, PyObject*) {
 }
 #endif
 
+// moe_routing_workspace_size(routes, E_local) and moe_gemm1_workspace_size(rows, H, I, E_local,
+// element_size): bytes of the MoE out-variants' workspaces.
+PyObject* moe_routing_workspace_size(PyObject*, PyObject* args) {
+  long long routes = 0, num_local = 0;
+  if (!PyArg_ParseTuple(args, "LL", &routes, &num_local)) return nullptr;
+  if (routes < 0 || num_local < 1) {
+    PyErr_SetString(PyExc_ValueError, "moe_routing_workspace_size: routes must be >= 0 and E_local >= 1");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(cake::moe_routing_workspace_bytes(routes, num_local));
+}
+
+PyObject* moe_gemm1_workspace_size(PyObject*, PyObject* args) {
+  long long rows = 0, hidden = 0, inter = 0, num_local = 0, element_size = 0;
+  if (!PyArg_ParseTuple(args, "LLLLL", &rows, &hidden, &inter, &num_local, &element_size)) return nullptr;
+  if (rows < 0 || hidden < 0 || inter < 0 || num_local < 0 || element_size < 1) {
+    PyErr_SetString(PyExc_ValueError, "moe_gemm1_workspace_size: sizes must be >= 0 and element_size >= 1");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(cake::moe_gemm1_workspace_bytes(rows, hidden, inter, num_local, element_size));
+}
+
 PyMethodDef methods[] = {
+    {"moe_routing_workspace_size", moe_routing_workspace_size, METH_VARARGS,
+     "moe_routing_workspace_size(routes, E_local): bytes of moe_routing_out's workspace."},
+    {"moe_gemm1_workspace_size", moe_gemm1_workspace_size, METH_VARARGS,
+     "moe_gemm1_workspace_size(rows, H, I, E_local, element_size): bytes of moe_gemm1_swiglu_out's workspace."},
     {"grouped_gemm_workspace_size", workspace_size, METH_O,
      "Bytes of device workspace a grouped GEMM over num_groups groups needs."},
 #ifdef CAKE_WITH_CUDA

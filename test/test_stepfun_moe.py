@@ -141,6 +141,67 @@ def test_expert_parallel_shards_sum_to_the_whole(device):
     assert ((parts[0] + parts[1] - whole).norm() / whole.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("mode", ["logits", "precomputed"])
+def test_prepared_launch_matches_one_shot_and_reads_new_inputs(device, mode):
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, 32, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).to(device))
+    routed = sm.routing(logits, top_k=k, num_experts=e)
+    ids, scales = routed.expert_ids.clone(), routed.expert_weights.clone()
+    inputs = dict(router_logits=logits) if mode == "logits" else dict(topk_ids=ids, topk_weights=scales)
+
+    def one_shot():
+        return sm.stepfun_moe(x, weights, top_k=k, **inputs)
+    launch = sm.prepare_stepfun_moe(x, weights, top_k=k, **inputs)
+    out = launch.launch()
+    assert launch.outputs() == [out] and torch.equal(out, one_shot())
+    x.copy_(AMPLITUDE * torch.randn_like(x))  # new tokens and routes in the bound tensors
+    logits.copy_(torch.randn_like(logits))
+    fresh = sm.routing(logits, top_k=k, num_experts=e)
+    ids.copy_(fresh.expert_ids)
+    scales.copy_(fresh.expert_weights)
+    assert launch.launch() is out and torch.equal(out, one_shot())
+    rows, expert_weights, e2p = sm.prepare_stepfun_moe(x, weights, top_k=k, do_finalize=False, **inputs).launch()
+    assert torch.equal(sm.finalize(rows, expert_weights, e2p), out)
+
+
+def test_prepared_stages_on_caller_buffers(device):
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, 16, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, 7.0)
+    routed = sm.empty_routing_output(16, k, e, device)
+    routing = sm.prepare_routing(logits, top_k=k, num_experts=e, out=routed)
+    act = torch.empty(16 * k, inter, dtype=torch.bfloat16, device=device)
+    fc1 = sm.prepare_fc1(x, weights, routed, out=act)
+    requant = sm.prepare_requant(act, weights)
+    fc2 = sm.prepare_fc2(act, weights, routed)
+    final = sm.prepare_finalize(fc2.outputs()[0], routed.expert_weights, routed.expanded_idx_to_permuted_idx)
+    for stage in (routing, fc1, requant, fc2, final):
+        stage.launch()
+    assert routing.outputs() == [routed] and fc1.outputs()[0] is act and requant.launch()[0] is act
+    assert torch.equal(final.outputs()[0], sm.stepfun_moe(x, weights, logits, top_k=k))
+
+
+@cuda_only
+def test_prepared_launch_allocates_nothing_and_replays_in_a_graph():
+    hidden, inter, e, k, _ = geometry("cuda")
+    x, logits, w1, w2 = make("cuda", 64, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, 7.0)
+    launch = sm.prepare_stepfun_moe(x, weights, logits, top_k=k)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    launch.launch()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = launch.launch()
+    x.copy_(AMPLITUDE * torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    g.replay()
+    assert torch.equal(out, sm.stepfun_moe(x, weights, logits, top_k=k))
+
+
 def test_compiles_fullgraph():
     hidden, inter, e, k, _ = geometry("cpu")
     x, logits, w1, w2 = make("cpu", 8, hidden, inter, e, k)
@@ -194,6 +255,18 @@ def test_ops_opcheck():
     torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu,
                           (x, weights.w1, routed.permuted_idx_to_expanded_idx, routed.expert_offsets, 4, True,
                            weights.gemm1_clamp_limit))
+    out = sm.empty_routing_output(12, 4, 8, "cpu")
+    workspace = torch.empty(cake_ops._C.moe_routing_workspace_size(48, 8), dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.cake.moe_routing_out,
+                          (logits, None, None, 4, 16, 8, 4, 64, *[getattr(out, f) for f in (
+                              "expert_ids", "expert_weights", "expert_counts", "expert_offsets",
+                              "permuted_idx_to_expanded_idx", "expanded_idx_to_permuted_idx", "expert_tile_offsets")],
+                           workspace))
+    act = torch.empty(48, 32, dtype=torch.bfloat16)
+    workspace = torch.empty(cake_ops._C.moe_gemm1_workspace_size(48, 64, 32, 16, 2), dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu_out,
+                          (x, weights.w1, routed.permuted_idx_to_expanded_idx, routed.expert_offsets, 4, act, workspace,
+                           True, weights.gemm1_clamp_limit))
 
 
 def test_plans():
@@ -231,6 +304,14 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1.float(), w2, 7.0), """cake_ops.stepfun_moe.prepare_weights: the bf16 family takes bfloat16 weights, got torch.float32 and torch.bfloat16""")
         self.assertExpectedInline(self.message(NotImplementedError, sm.prepare_weights, w1, w2, 7.0, family="mxfp8"), """cake_ops.stepfun_moe.prepare_weights: the 'mxfp8' weight family is not implemented yet (runs: ('bf16',))""")
         self.assertExpectedInline(self.message(TypeError, sm.fc1, torch.zeros(2, 64), (w1, w2), None), """cake_ops.stepfun_moe.fc1: weights must be the cake_stepfun view from prepare_weights, got tuple""")
+
+    def test_prepare_errors(self):
+        x, logits, w1, w2 = make("cpu", 4, 64, 32, 4, 2)
+        weights = sm.prepare_weights(w1, w2, 7.0)
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_routing, top_k=2, num_experts=4), """cake_ops.stepfun_moe.prepare_routing: give router_logits (FromLogits) or both topk_ids and topk_weights (UnpackedPrecomputed)""")
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_stepfun_moe, x.t(), weights, logits, top_k=2), """cake_ops.stepfun_moe.prepare_stepfun_moe: hidden_states must be a contiguous [num_tokens, hidden=64] tensor, got [64, 4]""")
+        routed = sm.empty_routing_output(4, 2, 4, "cpu")
+        self.assertExpectedInline(self.message(RuntimeError, sm.prepare_routing, logits, top_k=2, num_experts=4, out=routed, workspace=torch.empty(0, dtype=torch.uint8)), """cake::moe_routing_out: workspace must be a contiguous uint8 tensor of at least 16 bytes on cpu (cake_ops._C.moe_routing_workspace_size), got Byte [0]""")
 
     def test_clamp_limit_errors(self):
         x, _, w1, w2 = make("cpu", 4, 64, 32, 4, 2)

@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "grouped_gemm_checks.h"
 #include "moe_checks.h"
 
 namespace cake {
@@ -79,6 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
     int64_t local_expert_offset, int64_t tile_size) {
   check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, "cake::moe_routing");
+  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, "cake::moe_routing");
   at::Tensor ids, weights;
   if (router_logits) {
     auto logits = router_logits->to(at::kFloat);
@@ -93,6 +95,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   auto [counts, offsets, p2e, e2p, tiles] = moe_sort(ids, num_experts, num_local_experts, local_expert_offset, tile_size);
   return {ids, weights, counts, offsets, p2e, e2p, tiles};
+}
+
+void moe_routing_out(const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
+                     const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                     int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size, at::Tensor ids,
+                     at::Tensor weights, at::Tensor counts, at::Tensor offsets, at::Tensor permuted_to_expanded,
+                     at::Tensor expanded_to_permuted, at::Tensor tile_offsets, at::Tensor workspace) {
+  const char* op = "cake::moe_routing_out";
+  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
+  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
+  check_moe_routing_out(tokens, top_k, num_local_experts, ids, weights, counts, offsets, permuted_to_expanded,
+                        expanded_to_permuted, tile_offsets, workspace, router_logits ? *router_logits : *topk_ids, op);
+  const auto r = moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
+                             local_expert_offset, tile_size);
+  ids.copy_(std::get<0>(r));
+  weights.copy_(std::get<1>(r));
+  counts.copy_(std::get<2>(r));
+  offsets.copy_(std::get<3>(r));
+  permuted_to_expanded.copy_(std::get<4>(r));
+  expanded_to_permuted.copy_(std::get<5>(r));
+  tile_offsets.copy_(std::get<6>(r));
+}
+
+void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
+                          const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
+                          bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic) {
+  const char* op = "cake::moe_gemm1_swiglu_out";
+  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  check_out(out, {s.rows, s.intermediate}, x.scalar_type(), x, op);
+  const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
+  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.numel() >= need, op,
+              ": workspace must be a uint8 tensor of at least ", need, " bytes (cake_ops._C.moe_gemm1_workspace_size), got ",
+              workspace.scalar_type(), " ", workspace.sizes());
+  out.copy_(moe_gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic));
 }
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
@@ -123,6 +159,8 @@ void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expande
 TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_sort", &moe_sort);
   m.impl("moe_routing", &moe_routing);
+  m.impl("moe_routing_out", &moe_routing_out);
+  m.impl("moe_gemm1_swiglu_out", &moe_gemm1_swiglu_out);
   m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu);
   m.impl("moe_gemm2", &moe_gemm2);
   m.impl("moe_finalize", &moe_finalize);

@@ -183,3 +183,26 @@ def _moe_finalize_out_fake(permuted_rows, expanded_to_permuted, token_final_scal
     _check(out.shape == expected.shape and out.dtype == permuted_rows.dtype and out.device == permuted_rows.device,
            f"{op}: out must be [num_tokens, hidden] = {list(expected.shape)} of permuted_rows' dtype and device, "
            f"got {list(out.shape)} {out.dtype} on {out.device}")
+
+
+@register_fake("cake::moe_routing_out")
+def _moe_routing_out_fake(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
+                          local_expert_offset, tile_size, expert_ids, expert_weights, expert_counts, expert_offsets,
+                          permuted_to_expanded, expanded_to_permuted, expert_tile_offsets, workspace):
+    expected = _moe_routing_fake(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
+                                 local_expert_offset, tile_size)
+    outs = (expert_ids, expert_weights, expert_counts, expert_offsets, permuted_to_expanded, expanded_to_permuted,
+            expert_tile_offsets)
+    for out, want in zip(outs, expected):
+        _check(out.shape == want.shape and out.dtype == want.dtype,
+               f"cake::moe_routing_out: outputs must have moe_routing's shapes and dtypes, got {list(out.shape)} "
+               f"{out.dtype} for {list(want.shape)} {want.dtype}")
+
+
+@register_fake("cake::moe_gemm1_swiglu_out")
+def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, out, workspace, enable_pdl=True,
+                               clamp_limits=None, tactic=-1):
+    want = _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k)
+    _check(out.shape == want.shape and out.dtype == x.dtype,
+           f"cake::moe_gemm1_swiglu_out: out must be [T * top_k, I] = {list(want.shape)} of x's dtype, got "
+           f"{list(out.shape)} {out.dtype}")

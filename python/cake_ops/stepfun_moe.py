@@ -22,6 +22,13 @@ family this build does not run raises ``NotImplementedError`` naming it.
 The weight view (:func:`prepare_weights`, view ``"cake_stepfun"``) holds w1 up/gate interleaved at
 32 rows (:func:`cake_ops.fused_moe.interleave_up_gate_sm90`: the same GEMM1 as fused_moe_bf16),
 w2, and the per-expert ``gemm1_clamp_limit`` as a float32 tensor.
+
+Prepared launches: :func:`prepare_stepfun_moe` checks the arguments, picks the plan and allocates
+the buffer set once; its ``launch()`` runs the out-variant ops (``moe_routing_out``,
+``moe_gemm1_swiglu_out``, ``grouped_gemm_fwd_out``, ``moe_finalize_out``) on those buffers: on the
+GPU no allocation, no host synchronisation, CUDA-graph capturable, reading the bound inputs'
+current contents. :func:`prepare_routing` / :func:`prepare_fc1` / :func:`prepare_requant` /
+:func:`prepare_fc2` / :func:`prepare_finalize` bind one stage on caller-owned buffers.
 """
 from __future__ import annotations
 
@@ -30,11 +37,14 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from . import _C
 from ._experimental import warn_experimental
 from .fused_moe import default_tile_size, interleave_up_gate_sm90
 
-__all__ = ["FAMILIES", "Plan", "RoutingOutput", "StepFunWeights", "default_plan", "fc1", "fc2", "finalize",
-           "plans_for", "prepare_weights", "requant", "routing", "stepfun_moe"]
+__all__ = ["FAMILIES", "Plan", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch", "StepFunWeights",
+           "default_plan", "empty_routing_output", "fc1", "fc2", "finalize", "plans_for", "prepare_fc1", "prepare_fc2",
+           "prepare_finalize", "prepare_requant", "prepare_routing", "prepare_stepfun_moe", "prepare_weights",
+           "requant", "routing", "stepfun_moe"]
 
 _FEATURE = "cake_ops.stepfun_moe"
 FAMILIES = ("bf16", "fp8", "nvfp4", "nvfp4_bf16tok", "mxfp8")
@@ -247,3 +257,175 @@ def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_log
     if not do_finalize:
         return [rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx]
     return finalize(rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx, enable_pdl)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared launches: arguments checked and buffers bound once; launch() runs the stage's kernels
+# into the bound buffers (on the GPU: no allocation, no host synchronisation, CUDA-graph
+# capturable) and reads whatever the bound inputs hold at that moment.
+
+
+class StepFunStageLaunch:
+    """One stage bound to its inputs and caller-owned outputs. ``launch()`` returns
+    :meth:`outputs`."""
+
+    def __init__(self, name: str, run, outputs: list):
+        self.name, self._run, self._outputs = name, run, outputs
+
+    def launch(self) -> list:
+        self._run()
+        return self._outputs
+
+    __call__ = launch
+
+    def outputs(self) -> list:
+        return list(self._outputs)
+
+
+def empty_routing_output(num_tokens: int, top_k: int, num_local_experts: int, device) -> RoutingOutput:
+    """Buffers for :func:`prepare_routing`."""
+    ints = dict(dtype=torch.int32, device=device)
+    return RoutingOutput(torch.empty(num_tokens, top_k, **ints), torch.empty(num_tokens, top_k, dtype=torch.float32,
+                                                                             device=device),
+                         torch.empty(num_local_experts, **ints), torch.empty(num_local_experts + 1, **ints),
+                         torch.empty(num_tokens * top_k, **ints), torch.empty(num_tokens * top_k, **ints),
+                         torch.empty(num_local_experts + 1, **ints))
+
+
+def _bytes(n: int, device) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, device=device)
+
+
+def prepare_routing(router_logits: Optional[torch.Tensor] = None, *, topk_ids: Optional[torch.Tensor] = None,
+                    topk_weights: Optional[torch.Tensor] = None, top_k: int, num_experts: int,
+                    num_local_experts: Optional[int] = None, local_expert_offset: int = 0, tile_size: int = 128,
+                    out: Optional[RoutingOutput] = None, workspace: Optional[torch.Tensor] = None) -> StepFunStageLaunch:
+    """Routing into ``out`` (a :class:`RoutingOutput` of caller-owned buffers, default: allocated
+    here) with a uint8 ``workspace`` of ``_C.moe_routing_workspace_size(T * top_k, E_local)`` bytes."""
+    warn_experimental(_FEATURE)
+    like = router_logits if router_logits is not None else topk_ids
+    if like is None or (router_logits is None and topk_weights is None):
+        _fail("prepare_routing", "give router_logits (FromLogits) or both topk_ids and topk_weights "
+                                 "(UnpackedPrecomputed)")
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    out = out or empty_routing_output(like.shape[0], top_k, num_local, like.device)
+    if workspace is None:
+        workspace = _bytes(_C.moe_routing_workspace_size(like.shape[0] * top_k, num_local), like.device)
+    buffers = [getattr(out, f.name) for f in dataclasses.fields(out)]  # (astuple would copy them)
+
+    def run():
+        torch.ops.cake.moe_routing_out(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local,
+                                       local_expert_offset, tile_size, *buffers, workspace)
+    stage = StepFunStageLaunch("routing", run, [out])
+    stage.launch()  # checks every argument once (and warms up)
+    return stage
+
+
+def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
+                out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
+                enable_pdl: bool = True) -> StepFunStageLaunch:
+    """fc1 into ``out [T * top_k, I]`` with a uint8 ``workspace`` of
+    ``_C.moe_gemm1_workspace_size(T * top_k, H, I, E_local, element_size)`` bytes."""
+    warn_experimental(_FEATURE)
+    weights = _check_weights("prepare_fc1", weights)
+    rows = routed.expert_ids.numel()
+    out = out if out is not None else hidden_states.new_empty(rows, weights.intermediate)
+    if workspace is None:
+        workspace = _bytes(_C.moe_gemm1_workspace_size(rows, weights.hidden, weights.intermediate,
+                                                       weights.num_local_experts, hidden_states.element_size()),
+                           hidden_states.device)
+
+    def run():
+        torch.ops.cake.moe_gemm1_swiglu_out(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
+                                            routed.expert_offsets, routed.top_k, out, workspace, enable_pdl,
+                                            weights.gemm1_clamp_limit)
+    stage = StepFunStageLaunch("fc1", run, [out])
+    stage.launch()
+    return stage
+
+
+def prepare_requant(fc1_output: torch.Tensor, weights: StepFunWeights) -> StepFunStageLaunch:
+    """The family's requantization; bf16 has none: ``launch()`` returns ``[fc1_output]``."""
+    warn_experimental(_FEATURE)
+    _check_weights("prepare_requant", weights)
+    return StepFunStageLaunch("requant", lambda: None, [fc1_output])
+
+
+def prepare_fc2(activations: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
+                out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None) -> StepFunStageLaunch:
+    """fc2 into ``out [T * top_k, H]`` with a uint8 ``workspace`` of
+    ``_C.grouped_gemm_workspace_size(E_local)`` bytes."""
+    warn_experimental(_FEATURE)
+    weights = _check_weights("prepare_fc2", weights)
+    out = out if out is not None else activations.new_empty(activations.shape[0], weights.hidden)
+    if workspace is None:
+        workspace = _bytes(_C.grouped_gemm_workspace_size(weights.num_local_experts), activations.device)
+
+    def run():
+        torch.ops.cake.grouped_gemm_fwd_out(activations, weights.w2, routed.expert_offsets, out, workspace)
+    stage = StepFunStageLaunch("fc2", run, [out])
+    stage.launch()
+    return stage
+
+
+def prepare_finalize(gemm2_output: torch.Tensor, expert_weights: torch.Tensor,
+                     expanded_idx_to_permuted_idx: torch.Tensor, out: Optional[torch.Tensor] = None,
+                     enable_pdl: bool = True) -> StepFunStageLaunch:
+    """finalize into ``out [T, H]``."""
+    warn_experimental(_FEATURE)
+    out = out if out is not None else gemm2_output.new_empty(expert_weights.shape[0], gemm2_output.shape[1])
+
+    def run():
+        torch.ops.cake.moe_finalize_out(gemm2_output, expanded_idx_to_permuted_idx, expert_weights, out, enable_pdl)
+    stage = StepFunStageLaunch("finalize", run, [out])
+    stage.launch()
+    return stage
+
+
+class StepFunMoeLaunch:
+    """The whole forward on buffers allocated once by :func:`prepare_stepfun_moe`."""
+
+    def __init__(self, stages: List[StepFunStageLaunch], outputs: list):
+        self.stages, self._outputs = stages, outputs
+
+    def launch(self) -> Union[torch.Tensor, List[torch.Tensor]]:
+        for stage in self.stages:
+            stage.launch()
+        return self._outputs[0] if len(self._outputs) == 1 else list(self._outputs)
+
+    __call__ = launch
+
+    def outputs(self) -> List[torch.Tensor]:
+        """``[output]``, or with ``do_finalize=False`` ``[gemm2_output, expert_weights,
+        expanded_idx_to_permuted_idx]``."""
+        return list(self._outputs)
+
+
+def prepare_stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights,
+                        router_logits: Optional[torch.Tensor] = None, *, topk_ids: Optional[torch.Tensor] = None,
+                        topk_weights: Optional[torch.Tensor] = None, top_k: int, plan: Optional[Plan] = None,
+                        do_finalize: bool = True, enable_pdl: bool = True) -> StepFunMoeLaunch:
+    """Check the arguments, pick the plan, allocate the buffer set once and bind it: the returned
+    launch reads the current contents of ``hidden_states`` and the routing inputs on every
+    ``launch()``."""
+    warn_experimental(_FEATURE)
+    weights = _check_weights("prepare_stepfun_moe", weights)
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != weights.hidden or not hidden_states.is_contiguous():
+        _fail("prepare_stepfun_moe", f"hidden_states must be a contiguous [num_tokens, hidden={weights.hidden}] "
+                                     f"tensor, got {list(hidden_states.shape)}")
+    plan = plan or default_plan(weights.family, hidden_states.shape[0], top_k, weights.num_local_experts,
+                                weights.intermediate)
+    routing_stage = prepare_routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
+                                    num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
+                                    local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
+    routed = routing_stage.outputs()[0]
+    stages = [routing_stage, prepare_fc1(hidden_states, weights, routed, enable_pdl=enable_pdl)]
+    if "requant" in plan.stages:
+        stages.append(prepare_requant(stages[-1].outputs()[0], weights))
+    stages.append(prepare_fc2(stages[-1].outputs()[0], weights, routed))
+    rows = stages[-1].outputs()[0]
+    if not do_finalize:
+        return StepFunMoeLaunch(stages, [rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx])
+    stages.append(prepare_finalize(rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx,
+                                   enable_pdl=enable_pdl))
+    return StepFunMoeLaunch(stages, stages[-1].outputs())

@@ -107,9 +107,13 @@ struct CudaBackend {
 
 void run_grouped_gemm_cuda(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                            const at::Tensor& offs, at::Tensor& out, const char* op, bool pdl, bool zero_tail,
-                           int64_t tactic) {
-  auto workspace = CudaBackend::workspace(s, a);
-  launch_with(kind, s, a, b, offs, out, workspace, op, pdl, zero_tail, tactic);
+                           int64_t tactic, at::Tensor* workspace) {
+  if (workspace != nullptr) {
+    launch_with(kind, s, a, b, offs, out, *workspace, op, pdl, zero_tail, tactic);
+    return;
+  }
+  auto own = CudaBackend::workspace(s, a);
+  launch_with(kind, s, a, b, offs, out, own, op, pdl, zero_tail, tactic);
 }
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {

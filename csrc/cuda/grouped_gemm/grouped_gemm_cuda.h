@@ -8,12 +8,14 @@
 
 namespace cake {
 
-// `s` from check_fwd / check_dgrad / check_wgrad; allocates the launch's workspace. With `pdl`
+// `s` from check_fwd / check_dgrad / check_wgrad. With `pdl`
 // the launch may overlap its predecessor's tail; without `zero_tail` fwd/dgrad leave the rows
 // past the last group end unwritten (GroupedGemmParams); `tactic` >= 0 runs that tactic of the
-// family (an index into tactics_sm90) instead of the tuned or heuristic choice.
+// family (an index into tactics_sm90) instead of the tuned or heuristic choice; `workspace`:
+// grouped_gemm_workspace_bytes(E) caller-owned bytes (default: allocated here).
 void run_grouped_gemm_cuda(GroupedGemmOp kind, const GroupedGemmShape& s, const at::Tensor& a,
                            const at::Tensor& b, const at::Tensor& offs, at::Tensor& out,
-                           const char* op, bool pdl, bool zero_tail, int64_t tactic = -1);
+                           const char* op, bool pdl, bool zero_tail, int64_t tactic = -1,
+                           at::Tensor* workspace = nullptr);
 
 }  // namespace cake

@@ -25,46 +25,119 @@ void check_gemm_dtype(const at::Tensor& x, const char* op) {
               ": CUDA kernels take bfloat16 or float16 activations and weights, got ", x.scalar_type());
 }
 
+// moe_routing's seven outputs (moe_sort's five are the last five).
+struct RoutingOut {
+  at::Tensor ids, weights, counts, offsets, permuted_to_expanded, expanded_to_permuted, tile_offsets;
+};
+
+RoutingOut empty_routing_out(int64_t tokens, int64_t top_k, int64_t num_local_experts, const at::Tensor& like) {
+  const auto opts = like.options().dtype(at::kInt);
+  return {at::empty({tokens, top_k}, opts), at::empty({tokens, top_k}, opts.dtype(at::kFloat)),
+          at::empty({num_local_experts}, opts), at::empty({num_local_experts + 1}, opts),
+          at::empty({tokens * top_k}, opts), at::empty({tokens * top_k}, opts), at::empty({num_local_experts + 1}, opts)};
+}
+
+at::Tensor sort_workspace(int64_t routes, int64_t num_local_experts, const at::Tensor& like) {
+  return at::empty({moe_routing_workspace_bytes(routes, num_local_experts)}, like.options().dtype(at::kByte));
+}
+
+// Sorts o.ids (already written) into o's last five outputs; `workspace`: moe_routing_workspace_bytes.
+void sort_into(int64_t num_experts, int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size,
+               const RoutingOut& o, const at::Tensor& workspace, const char* op) {
+  TORCH_CHECK(num_experts <= INT32_MAX && tile_size <= INT32_MAX, op, ": num_experts and tile_size must fit in int32");
+  c10::cuda::CUDAGuard guard(o.ids.device());
+  select_kernel_arch(o.ids.get_device(), op);
+  sm90::MoeSortArgs a;
+  a.ids = o.ids.data_ptr<int32_t>();
+  a.routes = o.ids.numel();
+  a.num_experts = static_cast<int>(num_experts);
+  a.num_local_experts = static_cast<int>(num_local_experts);
+  a.local_expert_offset = static_cast<int>(local_expert_offset);
+  a.tile_size = static_cast<int>(tile_size);
+  a.counts = o.counts.data_ptr<int32_t>();
+  a.offsets = o.offsets.data_ptr<int32_t>();
+  a.permuted_to_expanded = o.permuted_to_expanded.data_ptr<int32_t>();
+  a.expanded_to_permuted = o.expanded_to_permuted.data_ptr<int32_t>();
+  a.tile_offsets = o.tile_offsets.data_ptr<int32_t>();
+  TORCH_CHECK(sm90::moe_sort_blocks(a.routes, num_local_experts) * num_local_experts * 4 <= workspace.nbytes(), op,
+              ": sort workspace too small (internal error)");
+  // The sort waits for whatever wrote the ids (PDL).
+  sm90::moe_sort(a, static_cast<int32_t*>(workspace.data_ptr()), at::cuda::getCurrentCUDAStream(o.ids.get_device()),
+                 /*pdl=*/true);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort_cuda(
     const at::Tensor& ids, int64_t num_experts, int64_t num_local_experts, int64_t local_expert_offset,
     int64_t tile_size) {
   const char* op = "cake::moe_sort";
   const auto s = check_moe_sort(ids, num_experts, num_local_experts, local_expert_offset, tile_size, op);
-  TORCH_CHECK(num_experts <= INT32_MAX && tile_size <= INT32_MAX, op, ": num_experts and tile_size must fit in int32");
-  c10::cuda::CUDAGuard guard(ids.device());
-  select_kernel_arch(ids.get_device(), op);
-  const int64_t routes = s.num_tokens * s.top_k;
-  auto opts = ids.options();
-  auto counts = at::empty({num_local_experts}, opts);
-  auto offsets = at::empty({num_local_experts + 1}, opts);
-  auto permuted_to_expanded = at::empty({routes}, opts);
-  auto expanded_to_permuted = at::empty({routes}, opts);
-  auto tile_offsets = at::empty({num_local_experts + 1}, opts);
-  sm90::MoeSortArgs a;
-  a.ids = ids.data_ptr<int32_t>();
-  a.routes = routes;
-  a.num_experts = static_cast<int>(num_experts);
-  a.num_local_experts = static_cast<int>(num_local_experts);
-  a.local_expert_offset = static_cast<int>(local_expert_offset);
-  a.tile_size = static_cast<int>(tile_size);
-  a.counts = counts.data_ptr<int32_t>();
-  a.offsets = offsets.data_ptr<int32_t>();
-  a.permuted_to_expanded = permuted_to_expanded.data_ptr<int32_t>();
-  a.expanded_to_permuted = expanded_to_permuted.data_ptr<int32_t>();
-  a.tile_offsets = tile_offsets.data_ptr<int32_t>();
-  // moe_sort is the first kernel of the chain: it waits for whatever wrote the ids.
-  const int64_t blocks = sm90::moe_sort_blocks(routes, num_local_experts);
-  auto block_rows = blocks > 1 ? at::empty({blocks * num_local_experts}, opts) : at::Tensor();
-  sm90::moe_sort(a, blocks > 1 ? block_rows.data_ptr<int32_t>() : nullptr,
-                 at::cuda::getCurrentCUDAStream(ids.get_device()), /*pdl=*/true);
-  return {counts, offsets, permuted_to_expanded, expanded_to_permuted, tile_offsets};
+  RoutingOut o = empty_routing_out(0, s.top_k, num_local_experts, ids);  // ids and weights unused
+  const auto opts = ids.options();
+  o.ids = ids;
+  o.permuted_to_expanded = at::empty({ids.numel()}, opts);
+  o.expanded_to_permuted = at::empty({ids.numel()}, opts);
+  sort_into(num_experts, num_local_experts, local_expert_offset, tile_size, o,
+            sort_workspace(ids.numel(), num_local_experts, ids), op);
+  return {o.counts, o.offsets, o.permuted_to_expanded, o.expanded_to_permuted, o.tile_offsets};
 }
 
-at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
-                                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
-                                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic) {
-  const char* op = "cake::moe_gemm1_swiglu";
-  const auto s = check_moe_gemm1(x_in, w1, permuted_to_expanded, expert_offsets, top_k, op);
+void routing_into(const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
+                  const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                  int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size, const RoutingOut& o,
+                  const at::Tensor& workspace, const char* op) {
+  if (router_logits) {
+    const auto logits = router_logits->contiguous();
+    TORCH_CHECK(logits.is_cuda(), op, ": router_logits must be a CUDA tensor here");
+    c10::cuda::CUDAGuard guard(logits.device());
+    select_kernel_arch(logits.get_device(), op);
+    const auto type = logits.scalar_type() == at::kFloat      ? sm90::LogitType::kFloat
+                      : logits.scalar_type() == at::kBFloat16 ? sm90::LogitType::kBFloat16
+                                                              : sm90::LogitType::kHalf;
+    sm90::moe_topk_softmax(logits.data_ptr(), type, logits.size(0), static_cast<int>(num_experts),
+                           static_cast<int>(top_k), o.ids.data_ptr<int32_t>(), o.weights.data_ptr<float>(),
+                           at::cuda::getCurrentCUDAStream(logits.get_device()), /*pdl=*/true);
+  } else {
+    o.ids.copy_(*topk_ids);
+    o.weights.copy_(*topk_weights);
+  }
+  sort_into(num_experts, num_local_experts, local_expert_offset, tile_size, o, workspace, op);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_routing_cuda(
+    const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
+    const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
+    int64_t local_expert_offset, int64_t tile_size) {
+  const char* op = "cake::moe_routing";
+  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
+  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
+  const auto& like = router_logits ? *router_logits : *topk_ids;
+  const RoutingOut o = empty_routing_out(tokens, top_k, num_local_experts, like);
+  routing_into(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts, local_expert_offset,
+               tile_size, o, sort_workspace(tokens * top_k, num_local_experts, like), op);
+  return {o.ids, o.weights, o.counts, o.offsets, o.permuted_to_expanded, o.expanded_to_permuted, o.tile_offsets};
+}
+
+void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
+                          const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                          int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size, at::Tensor ids,
+                          at::Tensor weights, at::Tensor counts, at::Tensor offsets, at::Tensor permuted_to_expanded,
+                          at::Tensor expanded_to_permuted, at::Tensor tile_offsets, at::Tensor workspace) {
+  const char* op = "cake::moe_routing_out";
+  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
+  const RoutingOut o{ids, weights, counts, offsets, permuted_to_expanded, expanded_to_permuted, tile_offsets};
+  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
+  check_moe_routing_out(tokens, top_k, num_local_experts, o.ids, o.weights, o.counts, o.offsets,
+                        o.permuted_to_expanded, o.expanded_to_permuted, o.tile_offsets, workspace,
+                        router_logits ? *router_logits : *topk_ids, op);
+  routing_into(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts, local_expert_offset,
+               tile_size, o, workspace, op);
+}
+
+// GEMM1 into `out` with caller-provided buffers: gathered [rows, H], h [rows, 2I], the grouped GEMM workspace.
+void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
+                const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
+                const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const MoeGemm1Shape& s,
+                at::Tensor& out, at::Tensor& gathered, at::Tensor& h, at::Tensor& gemm_workspace, const char* op) {
   at::Tensor clamp_limits;
   if (clamp_limits_in) {
     check_clamp_limits(*clamp_limits_in, w1.size(0), x_in, op);
@@ -78,51 +151,61 @@ at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x_in, const at::Tensor& w1, c
   c10::cuda::CUDAGuard guard(x_in.device());
   select_kernel_arch(x_in.get_device(), op);
   const auto x = x_in.contiguous();
-  TORCH_CHECK(aligned16(x), op, ": x must be 16-byte aligned");
+  TORCH_CHECK(aligned16(x) && aligned16(out), op, ": x and out must be 16-byte aligned");
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device());
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
-  auto gathered = at::empty({s.rows, x.size(1)}, x.options());
   sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
                         static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
   const auto shape = check_fwd(gathered, w1, expert_offsets, op);
-  auto h = at::empty({s.rows, 2 * s.intermediate}, x.options());
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
-                        /*zero_tail=*/false, tactic);
-  auto out = at::empty({s.rows, s.intermediate}, x.options());
+                        /*zero_tail=*/false, tactic, &gemm_workspace);
   sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, expert_offsets.data_ptr<int32_t>(),
                    static_cast<int>(w1.size(0)), clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr,
                    out.data_ptr(), x.scalar_type() == at::kBFloat16, stream, enable_pdl);
+}
+
+// gathered, h and the grouped GEMM workspace carved out of one byte workspace.
+void gemm1_carved(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& p2e, const at::Tensor& offsets,
+                  int64_t top_k, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
+                  const MoeGemm1Shape& s, at::Tensor& out, const at::Tensor& workspace, const char* op) {
+  const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
+  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
+                  workspace.numel() >= need && workspace.device() == x.device() && aligned16(workspace),
+              op, ": workspace must be a contiguous uint8 tensor of at least ", need, " bytes on ", x.device(),
+              " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace.scalar_type(), " ", workspace.sizes(), " on ",
+              workspace.device());
+  auto align = [](int64_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; };
+  const int64_t gathered_bytes = s.rows * x.size(1) * x.element_size();
+  const int64_t h_bytes = s.rows * 2 * s.intermediate * x.element_size();
+  auto gathered = workspace.narrow(0, 0, gathered_bytes).view(x.scalar_type()).view({s.rows, x.size(1)});
+  auto h = workspace.narrow(0, align(gathered_bytes), h_bytes).view(x.scalar_type()).view({s.rows, 2 * s.intermediate});
+  auto gemm_workspace = workspace.narrow(0, align(gathered_bytes) + align(h_bytes), grouped_gemm_workspace_bytes(w1.size(0)));
+  gemm1_into(x, w1, p2e, offsets, top_k, enable_pdl, clamp_limits, tactic, s, out, gathered, h, gemm_workspace, op);
+}
+
+at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
+                                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
+                                 const c10::optional<at::Tensor>& clamp_limits, int64_t tactic) {
+  const char* op = "cake::moe_gemm1_swiglu";
+  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  auto out = at::empty({s.rows, s.intermediate}, x.options());
+  const auto workspace = at::empty(
+      {moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size())},
+      x.options().dtype(at::kByte));
+  gemm1_carved(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out, workspace,
+               op);
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_routing_cuda(
-    const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
-    const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
-    int64_t local_expert_offset, int64_t tile_size) {
-  const char* op = "cake::moe_routing";
-  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
-  at::Tensor ids, weights;
-  if (router_logits) {
-    const auto logits = router_logits->contiguous();
-    TORCH_CHECK(logits.is_cuda(), op, ": router_logits must be a CUDA tensor here");
-    c10::cuda::CUDAGuard guard(logits.device());
-    select_kernel_arch(logits.get_device(), op);
-    ids = at::empty({tokens, top_k}, logits.options().dtype(at::kInt));
-    weights = at::empty({tokens, top_k}, logits.options().dtype(at::kFloat));
-    const auto type = logits.scalar_type() == at::kFloat      ? sm90::LogitType::kFloat
-                      : logits.scalar_type() == at::kBFloat16 ? sm90::LogitType::kBFloat16
-                                                              : sm90::LogitType::kHalf;
-    sm90::moe_topk_softmax(logits.data_ptr(), type, tokens, static_cast<int>(num_experts), static_cast<int>(top_k),
-                           ids.data_ptr<int32_t>(), weights.data_ptr<float>(),
-                           at::cuda::getCurrentCUDAStream(logits.get_device()), /*pdl=*/true);
-  } else {
-    ids = topk_ids->contiguous().clone();
-    weights = topk_weights->contiguous().clone();
-  }
-  auto [counts, offsets, p2e, e2p, tiles] =
-      moe_sort_cuda(ids, num_experts, num_local_experts, local_expert_offset, tile_size);
-  return {ids, weights, counts, offsets, p2e, e2p, tiles};
+void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
+                               const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
+                               bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic) {
+  const char* op = "cake::moe_gemm1_swiglu_out";
+  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  check_out(out, {s.rows, s.intermediate}, x.scalar_type(), x, op);
+  gemm1_carved(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out, workspace,
+               op);
 }
 
 at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
@@ -178,6 +261,8 @@ void moe_finalize_out_cuda(const at::Tensor& rows, const at::Tensor& expanded_to
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   m.impl("moe_sort", &moe_sort_cuda);
   m.impl("moe_routing", &moe_routing_cuda);
+  m.impl("moe_routing_out", &moe_routing_out_cuda);
+  m.impl("moe_gemm1_swiglu_out", &moe_gemm1_swiglu_out_cuda);
   m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu_cuda);
   m.impl("moe_gemm2", &moe_gemm2_cuda);
   m.impl("moe_finalize", &moe_finalize_cuda);

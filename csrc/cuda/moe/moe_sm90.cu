@@ -15,6 +15,7 @@
 
 #include "cuda/common/pdl.cuh"
 #include "cuda/moe/moe_kernels.h"
+#include "moe_checks.h"
 
 namespace cake::sm90 {
 namespace {
@@ -32,6 +33,7 @@ constexpr int64_t kSortSmemBudget = 200 * 1024;
 // kSortUnroll rounds of 32 routes per step: their loads are in flight together.
 constexpr int kSortUnroll = 4;
 constexpr int kSortStep = 32 * kSortUnroll;
+static_assert(kSortStep == kMoeSortRoutesPerStep, "moe_routing_workspace_bytes bounds the blocks by this step");
 
 int sort_warps(int64_t num_local) {
   const int64_t warps = (kSortSmemBudget - 4 * (num_local + 1)) / (4 * num_local);

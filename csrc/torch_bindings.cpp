@@ -78,7 +78,8 @@ TORCH_LIBRARY(cake, m) {
       "bool enable_pdl=True) -> Tensor");
   // moe_routing and moe_gemm1_swiglu into caller-owned outputs, with caller-owned uint8 workspaces
   // of moe_routing_workspace_size(T * top_k, E_local) and moe_gemm1_workspace_size(T * top_k, H, I,
-  // E_local, element_size) bytes: these allocate nothing (prepared launches).
+  // E_local, element_size) bytes: these allocate nothing (prepared launches). An empty workspace
+  // for moe_gemm1_swiglu_out lets it allocate its own (traced code, which cannot size it).
   m.def(
       "moe_routing_out(Tensor? router_logits, Tensor? topk_ids, Tensor? topk_weights, int top_k, int num_experts, "
       "int num_local_experts, int local_expert_offset, int tile_size, Tensor(a!) expert_ids, "

@@ -111,6 +111,13 @@ def test_compiles_fullgraph():
     compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, ids, scales), moe(x, ids, scales))
 
+    def into_buffers(x, ids, scales, out, inter):  # the out-variant ops under functionalization
+        return fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset, use_fused_finalize=False,
+                              moe_output=out, intermediate_buffer=inter)
+    out, inter = torch.empty_like(x), x.new_empty(x.shape[0] * k, w2.shape[2])
+    got = torch.compile(into_buffers, fullgraph=True, backend="aot_eager")(x, ids, scales, out, inter)
+    assert torch.equal(got, moe(x, ids, scales)) and torch.equal(out, got)
+
 
 @pytest.mark.skipif(not HAS_CUDA, reason="inductor and CUDA graphs need a GPU")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])

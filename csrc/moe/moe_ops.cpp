@@ -125,9 +125,10 @@ void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::T
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   check_out(out, {s.rows, s.intermediate}, x.scalar_type(), x, op);
   const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
-  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.numel() >= need, op,
-              ": workspace must be a uint8 tensor of at least ", need, " bytes (cake_ops._C.moe_gemm1_workspace_size), got ",
-              workspace.scalar_type(), " ", workspace.sizes());
+  TORCH_CHECK(workspace.scalar_type() == at::kByte && (workspace.numel() == 0 || workspace.numel() >= need), op,
+              ": workspace must be a uint8 tensor of at least ", need,
+              " bytes (cake_ops._C.moe_gemm1_workspace_size), or empty, got ", workspace.scalar_type(), " ",
+              workspace.sizes());
   out.copy_(moe_gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic));
 }
 

@@ -202,14 +202,16 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, rows, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
             x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl), x.device)
-    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
-                                            tactic=gemm1_tactic)
+    if intermediate_buffer is not None:  # GEMM1 writes it in place (an empty workspace: the op sizes its own)
+        torch.ops.cake.moe_gemm1_swiglu_out(x, w1_weight, permuted_to_expanded, offsets, top_k, intermediate_buffer,
+                                            x.new_empty(0, dtype=torch.uint8), enable_pdl, tactic=gemm1_tactic)
+        inter = intermediate_buffer
+    else:
+        inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
+                                                tactic=gemm1_tactic)
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, rows, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
             inter, w2_weight, offsets, enable_pdl), x.device)
-    if intermediate_buffer is not None:
-        intermediate_buffer.copy_(inter)
-        inter = intermediate_buffer
     rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, gemm2_tactic)
     if moe_output is not None:
         torch.ops.cake.moe_finalize_out(rows, expanded_to_permuted, scales, moe_output, enable_pdl)

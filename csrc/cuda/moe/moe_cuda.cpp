@@ -168,8 +168,11 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
 // gathered, h and the grouped GEMM workspace carved out of one byte workspace.
 void gemm1_carved(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& p2e, const at::Tensor& offsets,
                   int64_t top_k, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
-                  const MoeGemm1Shape& s, at::Tensor& out, const at::Tensor& workspace, const char* op) {
+                  const MoeGemm1Shape& s, at::Tensor& out, const at::Tensor& workspace_in, const char* op) {
   const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
+  // A 0-byte workspace asks the op to allocate its own (one-shot calls, traced code).
+  const auto workspace =
+      workspace_in.numel() == 0 ? at::empty({need}, x.options().dtype(at::kByte)) : workspace_in;
   TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
                   workspace.numel() >= need && workspace.device() == x.device() && aligned16(workspace),
               op, ": workspace must be a contiguous uint8 tensor of at least ", need, " bytes on ", x.device(),
@@ -190,11 +193,8 @@ at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, cons
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   auto out = at::empty({s.rows, s.intermediate}, x.options());
-  const auto workspace = at::empty(
-      {moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size())},
-      x.options().dtype(at::kByte));
-  gemm1_carved(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out, workspace,
-               op);
+  gemm1_carved(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out,
+               at::empty({0}, x.options().dtype(at::kByte)), op);
   return out;
 }
 

@@ -76,11 +76,17 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
   return {tokens, top_k, permuted_rows.size(1)};
 }
 
-int64_t moe_gemm1_workspace_bytes(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,
-                                  int64_t element_size) {
+MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,
+                                      int64_t element_size) {
   auto align = [](int64_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; };
-  return align(rows * hidden * element_size) + align(rows * 2 * intermediate * element_size) +
-         grouped_gemm_workspace_bytes(num_local_experts);
+  MoeGemm1Workspace w;
+  w.gathered_bytes = rows * hidden * element_size;
+  w.h_offset = align(w.gathered_bytes);
+  w.h_bytes = rows * 2 * intermediate * element_size;
+  w.gemm_offset = w.h_offset + align(w.h_bytes);
+  w.gemm_bytes = grouped_gemm_workspace_bytes(num_local_experts);
+  w.total = w.gemm_offset + w.gemm_bytes;
+  return w;
 }
 
 void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, const at::Tensor& like, const char* op) {

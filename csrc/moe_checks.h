@@ -13,9 +13,17 @@ inline int64_t moe_routing_workspace_bytes(int64_t routes, int64_t num_local_exp
 }
 
 // Workspace of moe_gemm1_swiglu_out: the gathered rows [rows, H], GEMM1's output [rows, 2I]
-// (element_size bytes each) and the grouped GEMM's own workspace, each 256-byte aligned.
-int64_t moe_gemm1_workspace_bytes(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,
-                                  int64_t element_size);
+// (element_size bytes each) and the grouped GEMM's own workspace, each at a 256-byte aligned
+// byte offset.
+struct MoeGemm1Workspace {
+  int64_t gathered_bytes = 0, h_offset = 0, h_bytes = 0, gemm_offset = 0, gemm_bytes = 0, total = 0;
+};
+MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,
+                                      int64_t element_size);
+inline int64_t moe_gemm1_workspace_bytes(int64_t rows, int64_t hidden, int64_t intermediate,
+                                         int64_t num_local_experts, int64_t element_size) {
+  return moe_gemm1_workspace(rows, hidden, intermediate, num_local_experts, element_size).total;
+}
 
 struct MoeSortShape {
   int64_t num_tokens = 0;

@@ -198,9 +198,9 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     overrides = (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
                  gemm2_raster_along_m, intermediate_buffer)
     tune = tuning_active() and x.is_cuda and all(o is None for o in overrides)
-    rows = num_tokens * top_k
+    routes = num_tokens * top_k
     if tune:
-        tune_grouped_gemm(family, lambda: (num_local, rows, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
+        tune_grouped_gemm(family, lambda: (num_local, routes, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
             x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl), x.device)
     if intermediate_buffer is not None:  # GEMM1 writes it in place (an empty workspace: the op sizes its own)
         torch.ops.cake.moe_gemm1_swiglu_out(x, w1_weight, permuted_to_expanded, offsets, top_k, intermediate_buffer,
@@ -210,10 +210,10 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
         inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
                                                 tactic=gemm1_tactic)
     if tune:
-        tune_grouped_gemm(family, lambda: (num_local, rows, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
+        tune_grouped_gemm(family, lambda: (num_local, routes, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
             inter, w2_weight, offsets, enable_pdl), x.device)
-    rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, gemm2_tactic)
+    expert_rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, gemm2_tactic)
     if moe_output is not None:
-        torch.ops.cake.moe_finalize_out(rows, expanded_to_permuted, scales, moe_output, enable_pdl)
+        torch.ops.cake.moe_finalize_out(expert_rows, expanded_to_permuted, scales, moe_output, enable_pdl)
         return moe_output
-    return torch.ops.cake.moe_finalize(rows, expanded_to_permuted, scales, enable_pdl)
+    return torch.ops.cake.moe_finalize(expert_rows, expanded_to_permuted, scales, enable_pdl)

@@ -179,15 +179,20 @@ class RoutingOutput:
         return self.expert_ids.shape[1]
 
 
+def _check_routing_inputs(fn: str, router_logits, topk_ids, topk_weights) -> torch.Tensor:
+    """The tensor the routing op dispatches on; said here because the op cannot dispatch without one."""
+    if router_logits is None and (topk_ids is None or topk_weights is None):
+        _fail(fn, "give router_logits (FromLogits) or both topk_ids and topk_weights (UnpackedPrecomputed)")
+    return router_logits if router_logits is not None else topk_ids
+
+
 def routing(router_logits: Optional[torch.Tensor] = None, *, topk_ids: Optional[torch.Tensor] = None,
             topk_weights: Optional[torch.Tensor] = None, top_k: int, num_experts: int,
             num_local_experts: Optional[int] = None, local_expert_offset: int = 0, tile_size: int = 128) -> RoutingOutput:
     """Renormalize routing from ``router_logits [T, E]`` (RoutingInputMode.FromLogits) or from
     ``topk_ids [T, k]`` int32 and ``topk_weights [T, k]`` float32 (UnpackedPrecomputed)."""
     warn_experimental(_FEATURE)
-    if router_logits is None and (topk_ids is None or topk_weights is None):
-        # (the op needs a tensor to dispatch on, so say it here)
-        _fail("routing", "give router_logits (FromLogits) or both topk_ids and topk_weights (UnpackedPrecomputed)")
+    _check_routing_inputs("routing", router_logits, topk_ids, topk_weights)
     num_local = num_experts if num_local_experts is None else num_local_experts
     return RoutingOutput(*torch.ops.cake.moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts,
                                                       num_local, local_expert_offset, tile_size))
@@ -282,6 +287,13 @@ class StepFunStageLaunch:
         return list(self._outputs)
 
 
+def _bound(name: str, run, outputs: list) -> StepFunStageLaunch:
+    """A stage launch, launched once here: the first run checks every argument (and warms up)."""
+    stage = StepFunStageLaunch(name, run, outputs)
+    stage.launch()
+    return stage
+
+
 def empty_routing_output(num_tokens: int, top_k: int, num_local_experts: int, device) -> RoutingOutput:
     """Buffers for :func:`prepare_routing`."""
     ints = dict(dtype=torch.int32, device=device)
@@ -303,10 +315,7 @@ def prepare_routing(router_logits: Optional[torch.Tensor] = None, *, topk_ids: O
     """Routing into ``out`` (a :class:`RoutingOutput` of caller-owned buffers, default: allocated
     here) with a uint8 ``workspace`` of ``_C.moe_routing_workspace_size(T * top_k, E_local)`` bytes."""
     warn_experimental(_FEATURE)
-    like = router_logits if router_logits is not None else topk_ids
-    if like is None or (router_logits is None and topk_weights is None):
-        _fail("prepare_routing", "give router_logits (FromLogits) or both topk_ids and topk_weights "
-                                 "(UnpackedPrecomputed)")
+    like = _check_routing_inputs("prepare_routing", router_logits, topk_ids, topk_weights)
     num_local = num_experts if num_local_experts is None else num_local_experts
     out = out or empty_routing_output(like.shape[0], top_k, num_local, like.device)
     if workspace is None:
@@ -316,9 +325,7 @@ def prepare_routing(router_logits: Optional[torch.Tensor] = None, *, topk_ids: O
     def run():
         torch.ops.cake.moe_routing_out(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local,
                                        local_expert_offset, tile_size, *buffers, workspace)
-    stage = StepFunStageLaunch("routing", run, [out])
-    stage.launch()  # checks every argument once (and warms up)
-    return stage
+    return _bound("routing", run, [out])
 
 
 def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
@@ -339,9 +346,7 @@ def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: Ro
         torch.ops.cake.moe_gemm1_swiglu_out(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
                                             routed.expert_offsets, routed.top_k, out, workspace, enable_pdl,
                                             weights.gemm1_clamp_limit)
-    stage = StepFunStageLaunch("fc1", run, [out])
-    stage.launch()
-    return stage
+    return _bound("fc1", run, [out])
 
 
 def prepare_requant(fc1_output: torch.Tensor, weights: StepFunWeights) -> StepFunStageLaunch:
@@ -363,9 +368,7 @@ def prepare_fc2(activations: torch.Tensor, weights: StepFunWeights, routed: Rout
 
     def run():
         torch.ops.cake.grouped_gemm_fwd_out(activations, weights.w2, routed.expert_offsets, out, workspace)
-    stage = StepFunStageLaunch("fc2", run, [out])
-    stage.launch()
-    return stage
+    return _bound("fc2", run, [out])
 
 
 def prepare_finalize(gemm2_output: torch.Tensor, expert_weights: torch.Tensor,
@@ -377,9 +380,7 @@ def prepare_finalize(gemm2_output: torch.Tensor, expert_weights: torch.Tensor,
 
     def run():
         torch.ops.cake.moe_finalize_out(gemm2_output, expanded_idx_to_permuted_idx, expert_weights, out, enable_pdl)
-    stage = StepFunStageLaunch("finalize", run, [out])
-    stage.launch()
-    return stage
+    return _bound("finalize", run, [out])
 
 
 class StepFunMoeLaunch:

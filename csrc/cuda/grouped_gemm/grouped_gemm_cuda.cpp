@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "cuda/common/alignment.h"
 #include "cuda/common/arch.h"
 #include "cuda/grouped_gemm/grouped_gemm_cuda.h"
 #include "cuda/grouped_gemm/grouped_gemm_tactics.h"
@@ -14,10 +15,6 @@ namespace cake {
 namespace {
 
 using Op = GroupedGemmOp;
-
-bool aligned16(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-}
 
 // What the Hopper kernels need beyond the shared checks.
 void check_cuda_operands(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "cuda/common/alignment.h"
 #include "cuda/common/arch.h"
 #include "cuda/grouped_gemm/grouped_gemm_cuda.h"
 #include "cuda/moe/moe_kernels.h"
@@ -14,10 +15,6 @@
 
 namespace cake {
 namespace {
-
-bool aligned16(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-}
 
 // The element types of the SM90 MoE GEMMs.
 void check_gemm_dtype(const at::Tensor& x, const char* op) {
@@ -30,11 +27,11 @@ struct RoutingOut {
   at::Tensor ids, weights, counts, offsets, permuted_to_expanded, expanded_to_permuted, tile_offsets;
 };
 
-RoutingOut empty_routing_out(int64_t tokens, int64_t top_k, int64_t num_local_experts, const at::Tensor& like) {
-  const auto opts = like.options().dtype(at::kInt);
-  return {at::empty({tokens, top_k}, opts), at::empty({tokens, top_k}, opts.dtype(at::kFloat)),
-          at::empty({num_local_experts}, opts), at::empty({num_local_experts + 1}, opts),
-          at::empty({tokens * top_k}, opts), at::empty({tokens * top_k}, opts), at::empty({num_local_experts + 1}, opts)};
+// The sort's five outputs for the routes in `ids` (weights left undefined).
+RoutingOut sort_outputs(const at::Tensor& ids, int64_t num_local_experts) {
+  const auto opts = ids.options().dtype(at::kInt);
+  return {ids, at::Tensor(), at::empty({num_local_experts}, opts), at::empty({num_local_experts + 1}, opts),
+          at::empty({ids.numel()}, opts), at::empty({ids.numel()}, opts), at::empty({num_local_experts + 1}, opts)};
 }
 
 at::Tensor sort_workspace(int64_t routes, int64_t num_local_experts, const at::Tensor& like) {
@@ -70,12 +67,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort_
     const at::Tensor& ids, int64_t num_experts, int64_t num_local_experts, int64_t local_expert_offset,
     int64_t tile_size) {
   const char* op = "cake::moe_sort";
-  const auto s = check_moe_sort(ids, num_experts, num_local_experts, local_expert_offset, tile_size, op);
-  RoutingOut o = empty_routing_out(0, s.top_k, num_local_experts, ids);  // ids and weights unused
-  const auto opts = ids.options();
-  o.ids = ids;
-  o.permuted_to_expanded = at::empty({ids.numel()}, opts);
-  o.expanded_to_permuted = at::empty({ids.numel()}, opts);
+  check_moe_sort(ids, num_experts, num_local_experts, local_expert_offset, tile_size, op);
+  const RoutingOut o = sort_outputs(ids, num_local_experts);
   sort_into(num_experts, num_local_experts, local_expert_offset, tile_size, o,
             sort_workspace(ids.numel(), num_local_experts, ids), op);
   return {o.counts, o.offsets, o.permuted_to_expanded, o.expanded_to_permuted, o.tile_offsets};
@@ -111,7 +104,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
   check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
   const auto& like = router_logits ? *router_logits : *topk_ids;
-  const RoutingOut o = empty_routing_out(tokens, top_k, num_local_experts, like);
+  RoutingOut o = sort_outputs(at::empty({tokens, top_k}, like.options().dtype(at::kInt)), num_local_experts);
+  o.weights = at::empty({tokens, top_k}, like.options().dtype(at::kFloat));
   routing_into(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts, local_expert_offset,
                tile_size, o, sort_workspace(tokens * top_k, num_local_experts, like), op);
   return {o.ids, o.weights, o.counts, o.offsets, o.permuted_to_expanded, o.expanded_to_permuted, o.tile_offsets};
@@ -133,11 +127,12 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
                tile_size, o, workspace, op);
 }
 
-// GEMM1 into `out` with caller-provided buffers: gathered [rows, H], h [rows, 2I], the grouped GEMM workspace.
+// GEMM1 into `out`: gather, grouped GEMM, SwiGLU, their buffers carved out of one byte workspace
+// (moe_gemm1_workspace); an empty workspace is allocated here (one-shot calls, traced code).
 void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const MoeGemm1Shape& s,
-                at::Tensor& out, at::Tensor& gathered, at::Tensor& h, at::Tensor& gemm_workspace, const char* op) {
+                at::Tensor& out, const at::Tensor& workspace_in, const char* op) {
   at::Tensor clamp_limits;
   if (clamp_limits_in) {
     check_clamp_limits(*clamp_limits_in, w1.size(0), x_in, op);
@@ -151,7 +146,19 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   c10::cuda::CUDAGuard guard(x_in.device());
   select_kernel_arch(x_in.get_device(), op);
   const auto x = x_in.contiguous();
+  const auto layout = moe_gemm1_workspace(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
+  const auto workspace =
+      workspace_in.numel() == 0 ? at::empty({layout.total}, x.options().dtype(at::kByte)) : workspace_in;
+  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
+                  workspace.numel() >= layout.total && workspace.device() == x.device() && aligned16(workspace),
+              op, ": workspace must be a contiguous uint8 tensor of at least ", layout.total, " bytes on ", x.device(),
+              " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace.scalar_type(), " ", workspace.sizes(), " on ",
+              workspace.device());
   TORCH_CHECK(aligned16(x) && aligned16(out), op, ": x and out must be 16-byte aligned");
+  auto gathered = workspace.narrow(0, 0, layout.gathered_bytes).view(x.scalar_type()).view({s.rows, x.size(1)});
+  auto h = workspace.narrow(0, layout.h_offset, layout.h_bytes).view(x.scalar_type()).view({s.rows, 2 * s.intermediate});
+  auto gemm_workspace = workspace.narrow(0, layout.gemm_offset, layout.gemm_bytes);
+
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device());
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
   sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
@@ -165,36 +172,14 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                    out.data_ptr(), x.scalar_type() == at::kBFloat16, stream, enable_pdl);
 }
 
-// gathered, h and the grouped GEMM workspace carved out of one byte workspace.
-void gemm1_carved(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& p2e, const at::Tensor& offsets,
-                  int64_t top_k, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
-                  const MoeGemm1Shape& s, at::Tensor& out, const at::Tensor& workspace_in, const char* op) {
-  const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
-  // A 0-byte workspace asks the op to allocate its own (one-shot calls, traced code).
-  const auto workspace =
-      workspace_in.numel() == 0 ? at::empty({need}, x.options().dtype(at::kByte)) : workspace_in;
-  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
-                  workspace.numel() >= need && workspace.device() == x.device() && aligned16(workspace),
-              op, ": workspace must be a contiguous uint8 tensor of at least ", need, " bytes on ", x.device(),
-              " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace.scalar_type(), " ", workspace.sizes(), " on ",
-              workspace.device());
-  auto align = [](int64_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; };
-  const int64_t gathered_bytes = s.rows * x.size(1) * x.element_size();
-  const int64_t h_bytes = s.rows * 2 * s.intermediate * x.element_size();
-  auto gathered = workspace.narrow(0, 0, gathered_bytes).view(x.scalar_type()).view({s.rows, x.size(1)});
-  auto h = workspace.narrow(0, align(gathered_bytes), h_bytes).view(x.scalar_type()).view({s.rows, 2 * s.intermediate});
-  auto gemm_workspace = workspace.narrow(0, align(gathered_bytes) + align(h_bytes), grouped_gemm_workspace_bytes(w1.size(0)));
-  gemm1_into(x, w1, p2e, offsets, top_k, enable_pdl, clamp_limits, tactic, s, out, gathered, h, gemm_workspace, op);
-}
-
 at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                                  const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
                                  const c10::optional<at::Tensor>& clamp_limits, int64_t tactic) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   auto out = at::empty({s.rows, s.intermediate}, x.options());
-  gemm1_carved(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out,
-               at::empty({0}, x.options().dtype(at::kByte)), op);
+  gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out,
+             at::empty({0}, x.options().dtype(at::kByte)), op);
   return out;
 }
 
@@ -204,8 +189,8 @@ void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const 
   const char* op = "cake::moe_gemm1_swiglu_out";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   check_out(out, {s.rows, s.intermediate}, x.scalar_type(), x, op);
-  gemm1_carved(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out, workspace,
-               op);
+  gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out, workspace,
+             op);
 }
 
 at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,

@@ -93,7 +93,7 @@ def test_overrides_pick_the_grouped_gemm_tactic():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the overrides choose CUDA kernels")
 def test_overrides_run_the_chosen_kernels():
-    x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", "cuda", torch.bfloat16, hidden=256, inter=128)
+    x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", "cuda", torch.bfloat16, hidden=512, inter=128)
     w1i = interleave_up_gate_sm90(w1)
     expected = reference.moe_forward(x, ids, scales, w1, w2)
     for overrides in (dict(tile_size=64, gemm1_tile_n=256), dict(tile_size=128, gemm2_tile_n=256, gemm2_cluster_shape_mn=(1, 2)),

@@ -5,10 +5,12 @@ pipeline, fused_moe_bf16 on the same shapes, and the floors.
     python benchmarks/bench_stepfun_moe.py --shapes step35_flash --tokens 8,2048 --json out.json --plot out.png
 
 Per (shape, family, T): cake stepfun_moe eager and as a CUDA-graph replay; the plain PyTorch
-pipeline (topk + softmax routing, stable sort, torch._grouped_mm, SwiGLUStep, index_add combine)
-eager; fused_moe_bf16 (graph replay, routing outside it) for the issue's "bf16 within 1.1x"
-target; and the weight floor (bytes of the experts touched / 4.8 TB/s) and the FLOP floor (the
-dense torch.mm rate of the same run). Families this build does not run yet print their error.
+pipeline (topk + softmax routing, stable sort, torch._grouped_mm, SwiGLUStep, index_add combine,
+bf16) eager; for bf16, fused_moe_bf16 (graph replay, routing outside it) for the issue's "bf16
+within 1.1x" target; for fp8 (weights quantized per expert, dynamic per-tensor activation scales),
+the ratio to the bf16 family's graph replay of the same run; and the weight floor (bytes of the
+experts touched, at the family's width, / 4.8 TB/s) and the FLOP floor (the dense bf16 torch.mm
+rate of the same run). Families this build does not run yet print their error.
 """
 import argparse
 import warnings
@@ -55,6 +57,7 @@ def run(args):
     tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else (TOKENS if device == "cuda" else CPU_TOKENS)
     timer = Timer(device, args.reps, args.warmup)
     rows = []
+    bf16_graph_ms = {}
     for name in names:
         e, k, h, inter = {**SHAPES, **CPU_SHAPES}[name]
         w1 = (torch.randn(e, 2 * inter, h, device=device) / h**0.5).bfloat16()
@@ -74,7 +77,7 @@ def run(args):
                 touched = ids.unique().numel()
                 flops = 2.0 * t * k * 3 * h * inter
                 row = {"shape": name, "family": family, "T": t, "E": e, "top_k": k, "hidden": h, "I": inter,
-                       "weight_floor_ms": touched * 3 * h * inter * 2 / (HBM_TBPS * 1e12) * 1e3,
+                       "weight_floor_ms": touched * 3 * h * inter * weights.w1.element_size() / (HBM_TBPS * 1e12) * 1e3,
                        "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate}
                 routed = sm.routing(logits, top_k=k, num_experts=e)
                 ids32, scales = routed.expert_ids, routed.expert_weights
@@ -82,13 +85,15 @@ def run(args):
                        "torch": (lambda: torch_stepfun(x, logits, w1, w2, k, LIMIT), None)}
                 a, b = fns["cake"][0]().float(), fns["torch"][0]().float()
                 row["rel_diff_vs_torch"] = float((a - b).norm() / b.norm().clamp_min(1e-30))
-                if row["rel_diff_vs_torch"] > 3e-2:
+                if row["rel_diff_vs_torch"] > (3e-2 if family == "bf16" else 0.15):  # fp8: three quantizations
                     raise AssertionError(f"{name} T={t}: cake and the torch pipeline differ by {row['rel_diff_vs_torch']:.3g}")
                 results = timer.many(fns)
                 if device == "cuda":
-                    fused = lambda: fused_moe_bf16(x, ids32, scales, weights.w1, w2, e, k)  # noqa: E731
-                    results.update({f"{p}_graph": v for p, v in timer.many(
-                        {"cake": fns["cake"], "fused_moe_bf16": (fused, None)}, graph=True).items()})
+                    graphed = {"cake": fns["cake"]}
+                    if family == "bf16":
+                        fused = lambda: fused_moe_bf16(x, ids32, scales, weights.w1, w2, e, k)  # noqa: E731
+                        graphed["fused_moe_bf16"] = (fused, None)
+                    results.update({f"{p}_graph": v for p, v in timer.many(graphed, graph=True).items()})
                 for peer, ms in results.items():
                     row[f"{peer}_ms" if not isinstance(ms, str) else f"{peer}_error"] = ms
                 best = row.get("cake_graph_ms", row.get("cake_ms"))
@@ -98,20 +103,24 @@ def run(args):
                     row["speedup_vs_torch"] = row["torch_ms"] / best if "torch_ms" in row else None
                     if "fused_moe_bf16_graph_ms" in row:
                         row["over_fused_moe_bf16"] = best / row["fused_moe_bf16_graph_ms"]
+                    if family == "bf16":
+                        bf16_graph_ms[name, t] = best
+                    elif (name, t) in bf16_graph_ms:
+                        row["over_bf16_family"] = best / bf16_graph_ms[name, t]
                 rows.append(row)
                 print_row(row)
     return device, rows
 
 
 HEADER = (f"{'shape':15} {'fam':5} {'T':>6} {'cake':>8} {'cake gr':>8} {'torch':>8} {'fused gr':>8} {'W floor':>8} "
-          f"{'F floor':>8} {'x floor':>7} {'x torch':>7} {'/fused':>7}  (ms)")
+          f"{'F floor':>8} {'x floor':>7} {'x torch':>7} {'/fused':>7} {'/bf16':>7}  (ms)")
 
 
 def print_row(r):
     cols = ["cake_ms", "cake_graph_ms", "torch_ms", "fused_moe_bf16_graph_ms", "weight_floor_ms", "flop_floor_ms"]
     print(f"{r['shape']:15} {r['family']:5} {r['T']:6d} " + " ".join(fmt(r.get(c), "8.3f") for c in cols) +
           f" {fmt(r.get('cake_x_floor'), '7.2f')} {fmt(r.get('speedup_vs_torch'), '7.2f')}"
-          f" {fmt(r.get('over_fused_moe_bf16'), '7.2f')}", flush=True)
+          f" {fmt(r.get('over_fused_moe_bf16'), '7.2f')} {fmt(r.get('over_bf16_family'), '7.2f')}", flush=True)
 
 
 SERIES = [("cake_graph_ms", "r-o"), ("cake_ms", "r--"), ("torch_ms", "b-s"), ("fused_moe_bf16_graph_ms", "g-^"),
@@ -132,7 +141,7 @@ def main():
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     print(HEADER)
     device, rows = run(args)
-    summary = summarize(rows, ("cake_x_floor", "speedup_vs_torch", "over_fused_moe_bf16"))
+    summary = summarize(rows, ("cake_x_floor", "speedup_vs_torch", "over_fused_moe_bf16", "over_bf16_family"))
     if args.json:
         write_results(args.json, device, summary, rows, args.reps)
     if args.plot:

@@ -46,10 +46,10 @@ bool check_offs(const at::Tensor& offs, int64_t num_groups, const at::Tensor& li
 }  // namespace
 
 GroupedGemmShape check_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                           const char* op) {
+                           const char* op, bool allow_e4m3) {
   check_dims(x, 2, "x", "[sum_m, K]", op);
   check_dims(w, 3, "w", "[E, N, K]", op);
-  check_float_dtype(x, "x", op);
+  if (!allow_e4m3 || x.scalar_type() != at::kFloat8_e4m3fn) check_float_dtype(x, "x", op);
   check_same(x, "x", w, "w", op);
   TORCH_CHECK(x.size(1) == w.size(2), op, ": K mismatch: x is [sum_m, K] with K=", x.size(1),
               " but w is [E, N, K] with K=", w.size(2));

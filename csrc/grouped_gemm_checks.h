@@ -10,7 +10,7 @@
 namespace cake {
 
 // Workspace of one grouped GEMM launch: the per-group argument arrays the device prologue
-// writes (problem shape, three pointers, three strides: well under kPerGroupBytes) and the
+// writes (problem shape, three pointers, three strides, an fp8 scale: well under kPerGroupBytes) and the
 // CUTLASS kernel's own workspace (TMA descriptors per persistent CTA). A function of the
 // group count only, never of the GPU, so prepared launches and fakes can size it.
 constexpr int64_t kWorkspaceAlign = 256;
@@ -20,7 +20,7 @@ constexpr int64_t kTmaDescriptorBytes = 128;
 constexpr int64_t kCutlassWorkspaceBytes = kMaxPersistentCtas * 8 * kTmaDescriptorBytes + 4096;
 
 inline int64_t grouped_gemm_workspace_bytes(int64_t num_groups) {
-  return 8 * kWorkspaceAlign + num_groups * kPerGroupBytes + kCutlassWorkspaceBytes;
+  return 9 * kWorkspaceAlign + num_groups * kPerGroupBytes + kCutlassWorkspaceBytes;
 }
 
 enum class GroupedGemmOp { kFwd, kDgrad, kWgrad };
@@ -34,8 +34,10 @@ struct GroupedGemmShape {
   bool indptr = false;     // offs has E + 1 entries, the first a zero
 };
 
+// allow_e4m3: float8_e4m3fn x and w too (the MoE GEMMs' fp8 family; the grouped GEMM ops are
+// 16-bit and wider).
 GroupedGemmShape check_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
-                           const char* op);
+                           const char* op, bool allow_e4m3 = false);
 GroupedGemmShape check_dgrad(const at::Tensor& grad_out, const at::Tensor& w,
                              const at::Tensor& offs, const char* op);
 GroupedGemmShape check_wgrad(const at::Tensor& grad_out, const at::Tensor& x,

@@ -82,11 +82,66 @@ MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t inte
   MoeGemm1Workspace w;
   w.gathered_bytes = rows * hidden * element_size;
   w.h_offset = align(w.gathered_bytes);
-  w.h_bytes = rows * 2 * intermediate * element_size;
+  w.h_bytes = rows * 2 * intermediate * 2;  // 16-bit
   w.gemm_offset = w.h_offset + align(w.h_bytes);
   w.gemm_bytes = grouped_gemm_workspace_bytes(num_local_experts);
   w.total = w.gemm_offset + w.gemm_bytes;
   return w;
+}
+
+void check_moe_gemm2_workspace(const at::Tensor& workspace, int64_t num_local_experts, const at::Tensor& like,
+                               const char* op) {
+  const int64_t need = grouped_gemm_workspace_bytes(num_local_experts);
+  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
+                  (workspace.numel() == 0 || (workspace.numel() >= need && workspace.device() == like.device())),
+              op, ": workspace must be a contiguous uint8 tensor of at least ", need, " bytes on ", like.device(),
+              " (cake_ops._C.grouped_gemm_workspace_size), or empty, got ", workspace.scalar_type(), " ",
+              workspace.sizes(), " on ", workspace.device());
+}
+
+bool check_moe_gemm_scales(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
+                           const c10::optional<at::Tensor>& w_scale, int64_t num_local_experts, const char* a_name,
+                           const char* op) {
+  const bool fp8 = a.scalar_type() == at::kFloat8_e4m3fn;
+  if (!fp8) {
+    TORCH_CHECK(!a_scale && !w_scale, op, ": scales apply to float8_e4m3fn ", a_name, " and weights only, got ",
+                a.scalar_type());
+    return false;
+  }
+  TORCH_CHECK(a_scale && w_scale, op, ": float8_e4m3fn ", a_name, " and weights need their scales (a per-tensor ",
+              a_name, " scale and one weight scale per local expert)");
+  TORCH_CHECK(a_scale->scalar_type() == at::kFloat && a_scale->numel() == 1 && a_scale->device() == a.device(), op,
+              ": the ", a_name, " scale must be one float32 value on ", a.device(), ", got ", a_scale->scalar_type(),
+              " ", a_scale->sizes(), " on ", a_scale->device());
+  TORCH_CHECK(w_scale->scalar_type() == at::kFloat && w_scale->dim() == 1 && w_scale->size(0) == num_local_experts &&
+                  w_scale->device() == a.device(),
+              op, ": the weight scales must be float32 [E_local] = [", num_local_experts, "] on ", a.device(),
+              ", got ", w_scale->scalar_type(), " ", w_scale->sizes(), " on ", w_scale->device());
+  return true;
+}
+
+at::ScalarType moe_gemm_out_dtype(const at::Tensor& a) {
+  return a.scalar_type() == at::kFloat8_e4m3fn ? at::kBFloat16 : a.scalar_type();
+}
+
+void check_quantize_fp8(const at::Tensor& x, const c10::optional<at::Tensor>& scale, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat, op,
+              ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
+  if (scale) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->numel() == 1 && scale->device() == x.device(), op,
+                ": scale must be one float32 value on ", x.device(), " (or None for a dynamic scale), got ",
+                scale->scalar_type(), " ", scale->sizes(), " on ", scale->device());
+  }
+}
+
+void check_quantize_fp8_out(const at::Tensor& x, const at::Tensor& out, const at::Tensor& scale_out, const char* op) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat8_e4m3fn && out.sizes() == x.sizes() && out.is_contiguous() &&
+                  out.device() == x.device(),
+              op, ": out must be a contiguous float8_e4m3fn tensor of x's shape ", x.sizes(), " on ", x.device(),
+              ", got ", out.scalar_type(), " ", out.sizes(), " on ", out.device());
+  TORCH_CHECK(scale_out.scalar_type() == at::kFloat && scale_out.numel() == 1 && scale_out.device() == x.device(), op,
+              ": scale_out must be one float32 value on ", x.device(), ", got ", scale_out.scalar_type(), " ",
+              scale_out.sizes(), " on ", scale_out.device());
 }
 
 void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, const at::Tensor& like, const char* op) {

@@ -12,9 +12,9 @@ inline int64_t moe_routing_workspace_bytes(int64_t routes, int64_t num_local_exp
   return 4 * ((routes + kMoeSortRoutesPerStep - 1) / kMoeSortRoutesPerStep) * num_local_experts;
 }
 
-// Workspace of moe_gemm1_swiglu_out: the gathered rows [rows, H], GEMM1's output [rows, 2I]
-// (element_size bytes each) and the grouped GEMM's own workspace, each at a 256-byte aligned
-// byte offset.
+// Workspace of moe_gemm1_swiglu_out: the gathered rows [rows, H] (x's element_size bytes each),
+// GEMM1's output [rows, 2I] (16-bit: x's dtype, bfloat16 for fp8 x) and the grouped GEMM's own
+// workspace, each at a 256-byte aligned byte offset.
 struct MoeGemm1Workspace {
   int64_t gathered_bytes = 0, h_offset = 0, h_bytes = 0, gemm_offset = 0, gemm_bytes = 0, total = 0;
 };
@@ -75,6 +75,29 @@ void check_moe_routing_out(int64_t tokens, int64_t top_k, int64_t num_local_expe
                            const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
                            const at::Tensor& tile_offsets, const at::Tensor& workspace, const at::Tensor& like,
                            const char* op);
+
+// moe_gemm2_out's workspace: uint8, grouped_gemm_workspace_bytes(E_local) bytes or empty (the op
+// allocates one), on like's device.
+void check_moe_gemm2_workspace(const at::Tensor& workspace, int64_t num_local_experts, const at::Tensor& like,
+                               const char* op);
+
+// The fp8 scales of a MoE GEMM over activations `a`: float8_e4m3fn activations and weights need
+// a_scale (float32, one element) and w_scale (float32 [E_local]) on a's device; 16-bit ones take
+// neither. Returns whether the GEMM is fp8.
+bool check_moe_gemm_scales(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
+                           const c10::optional<at::Tensor>& w_scale, int64_t num_local_experts, const char* a_name,
+                           const char* op);
+// A MoE GEMM's output dtype: bfloat16 for float8_e4m3fn activations, else theirs.
+at::ScalarType moe_gemm_out_dtype(const at::Tensor& a);
+
+// quantize_fp8: x bfloat16, float16 or float32; scale absent or float32 with one element on x's
+// device. With out / scale_out (the out variant): float8_e4m3fn of x's shape and float32 [1].
+void check_quantize_fp8(const at::Tensor& x, const c10::optional<at::Tensor>& scale, const char* op);
+void check_quantize_fp8_out(const at::Tensor& x, const at::Tensor& out, const at::Tensor& scale_out, const char* op);
+// e4m3's largest finite value, and the least amax a dynamic scale divides (an all-zero tensor
+// gets scale kFp8MinAmax / 448, not 0).
+constexpr float kE4m3Max = 448.0f;
+constexpr float kFp8MinAmax = 1e-12f;
 
 // A caller-owned combine output: [num_tokens, hidden], permuted_rows' dtype and device, contiguous.
 void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, const at::Tensor& permuted_rows,

@@ -62,15 +62,27 @@ TORCH_LIBRARY(cake, m) {
   // Launch (numerics unaffected). clamp_limits (float32 [E_local]) makes the activation StepFun's
   // SwiGLUStep, min(silu(gate), L_e) * clamp(up, -L_e, L_e) with L_e the row's expert's limit.
   // tactic (both MoE GEMMs): -1 = the grouped GEMM's own choice (tuned or heuristic), else that
-  // tactic of the fwd family (grouped_gemm_tactics("fwd" / "fwd_f16")); the CPU ignores it.
+  // tactic of the fwd family (grouped_gemm_tactics("fwd" / "fwd_f16" / "fwd_e4m3")); the CPU
+  // ignores it. fp8 (both MoE GEMMs): float8_e4m3fn activations and weights with a per-tensor
+  // activation scale (float32, one element) and one weight scale per local expert (float32
+  // [E_local]): expert e's product is scaled by a_scale * w_scale[e] in float32 (physical units:
+  // before the clamp) and rounded to bfloat16, the output dtype.
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
-      "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1) -> Tensor");
+      "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
+      "Tensor? w1_scale=None) -> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. Rows past the last expert's end belong to no route
   // and are left unwritten on CUDA (moe_finalize never reads them; with expert parallelism they
   // are most of the tensor).
-  m.def("moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True, int tactic=-1) -> Tensor");
+  m.def(
+      "moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True, int tactic=-1, "
+      "Tensor? a_scale=None, Tensor? w2_scale=None) -> Tensor");
+  // Per-tensor fp8 quantization: out = e4m3(clamp(x / scale, -448, 448)), rounded to nearest even,
+  // in float32. scale None: a dynamic scale, max(amax(|x|), 1e-12) / 448, computed on the device.
+  // Returns (out, the scale used).
+  m.def("quantize_fp8(Tensor x, Tensor? scale=None) -> (Tensor out, Tensor scale)");
+  m.def("quantize_fp8_out(Tensor x, Tensor? scale, Tensor(a!) out, Tensor(b!) scale_out) -> ()");
   // Weighted combine into token order: out[t] = sum_j scales[t, j] * permuted_rows[p(t, j)] over
   // the kept routes (expanded_to_permuted >= 0), fp32 in route order, one rounding: [T, H].
   m.def(
@@ -88,7 +100,13 @@ TORCH_LIBRARY(cake, m) {
       "Tensor(h!) workspace) -> ()");
   m.def(
       "moe_gemm1_swiglu_out(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, int top_k, "
-      "Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1) -> ()");
+      "Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, "
+      "Tensor? x_scale=None, Tensor? w1_scale=None) -> ()");
+  // moe_gemm2 into a caller-owned out [T * top_k, H] with a workspace of
+  // grouped_gemm_workspace_size(E_local) bytes (empty: allocated by the op).
+  m.def(
+      "moe_gemm2_out(Tensor intermediate, Tensor w2, Tensor expert_offsets, Tensor(a!) out, Tensor(b!) workspace, "
+      "bool enable_pdl=True, int tactic=-1, Tensor? a_scale=None, Tensor? w2_scale=None) -> ()");
   // The same into a caller-owned [T, H] tensor of permuted_rows' dtype (fused_moe_bf16's moe_output).
   m.def(
       "moe_finalize_out(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "

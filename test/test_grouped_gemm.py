@@ -615,7 +615,8 @@ def find_cuobjdump():
 
 def test_grouped_gemm_kernels_are_hopper_wgmma():
     # Needs no GPU: disassemble the built extension and check that every CUTLASS grouped GEMM
-    # kernel in it issues wgmma (HGMMA), i.e. runs on Hopper's tensor cores.
+    # kernel in it issues wgmma, i.e. runs on Hopper's tensor cores: HGMMA for 16-bit inputs,
+    # QGMMA for the e4m3 ones (fwd_e4m3).
     if "90a" not in cake_ops.build_info()["cuda_archs"]:
         pytest.skip("this build has no sm_90a kernels")
     tool = find_cuobjdump()
@@ -626,11 +627,15 @@ def test_grouped_gemm_kernels_are_hopper_wgmma():
     functions = proc.stdout.split("Function : ")[1:]
     gemms = [f for f in functions if "GemmUniversal" in f.split("\n")[0]]
     # One kernel per configuration; each configuration appears as several tactics (tile orders).
-    expected = len({name.split("_raster")[0].split("_swz")[0] for f in ("fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16")
+    families = ("fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3")
+    expected = len({name.split("_raster")[0].split("_swz")[0] for f in families
                     for name in cake_ops._C.grouped_gemm_tactics(f)})
     assert len(gemms) == expected, f"expected {expected} grouped GEMM kernels, found {len(gemms)}"
+    fp8 = [body for body in gemms if "float_e4m3" in body.split("\n")[0]]
+    assert len(fp8) == len(cake_ops._C.grouped_gemm_tactics("fwd_e4m3")) // 4
     for body in gemms:
-        assert "HGMMA" in body, f"no wgmma in {body.splitlines()[0][:120]}"
+        instruction = "QGMMA" if body in fp8 else "HGMMA"
+        assert instruction in body, f"no {instruction} in {body.splitlines()[0][:120]}"
 
 
 def test_build_has_cuda_kernels_when_ci_says_so():

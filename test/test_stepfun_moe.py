@@ -1,7 +1,8 @@
 """The StepFun MoE pipeline (cake_ops.stepfun_moe) and the unified MoE API (cake_ops.moe): each stage
 and the whole forward against the float32 reference with the SwiGLUStep clamp biting (input
-amplitude 12), both routing modes, the bf16 path bitwise equal to its stages, graphs, compile and
-errors. On the GPU the issue's geometry (H=4096, I=1536, E=64, top-k 8); on the CPU a small one."""
+amplitude 12), in the bf16 and fp8 families (the fp8 reference applies the same quantization),
+both routing modes, the pipeline bitwise equal to its stages, graphs, compile and errors. On the
+GPU the issue's geometry (H=4096, I=1536, E=64, top-k 8); on the CPU a small one."""
 import warnings
 
 import expecttest
@@ -15,6 +16,9 @@ from cake_ops import stepfun_moe as sm
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
 AMPLITUDE = 12.0
+families = pytest.mark.parametrize("family", ["bf16", "fp8"])
+# opcheck's test_schema compares tensors with allclose, which float8 tensors do not implement.
+FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
 def geometry(device):
@@ -113,39 +117,130 @@ def test_pipeline_matches_float32_reference_with_the_clamp_biting(device, limits
         assert (unclamped - expected).norm() / expected.norm() > 0.1
 
 
-def test_bf16_path_is_bitwise_the_stages(device):
+def e4m3_reference(x, scale):
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_fp8_matches_reference(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    base = AMPLITUDE * torch.randn(37, 129, generator=g)  # odd size: the vector loop's tail
+    base[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -3e4])
+    for x in (base.to(dtype), base.to(dtype).flatten()[1:]):  # the second is not 16-byte aligned
+        x_dev = x.to(device)
+        amax = x.float().abs().max()
+        for scale in (None, torch.tensor([0.05]), torch.tensor([1e-3])):  # 1e-3: most values saturate
+            want_scale = (amax.clamp_min(1e-12) / 448).reshape(1) if scale is None else scale
+            q, used = torch.ops.cake.quantize_fp8(x_dev, None if scale is None else scale.to(device))
+            assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+            assert torch.equal(used.cpu(), want_scale)
+            assert torch.equal(q.cpu().view(torch.uint8), e4m3_reference(x, want_scale).view(torch.uint8))
+            out = torch.full(x.shape, 7.0, device=device).to(torch.float8_e4m3fn)
+            scale_out = torch.zeros(1, device=device)
+            torch.ops.cake.quantize_fp8_out(x_dev, None if scale is None else scale.to(device), out, scale_out)
+            assert torch.equal(out.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale_out, used)
+    q, used = torch.ops.cake.quantize_fp8(torch.zeros(3, 16, dtype=dtype, device=device))
+    assert float(used) == pytest.approx(1e-12 / 448) and not q.float().any()
+    q, used = torch.ops.cake.quantize_fp8(torch.zeros(0, 16, dtype=dtype, device=device))
+    assert q.shape == (0, 16) and float(used) == pytest.approx(1e-12 / 448)
+
+
+def quantize_per_expert(w):
+    """Dequantized e4m3 weights with one scale per expert, max(|w[e]|) / 448, and the scales."""
+    scale = w.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / 448
+    return e4m3_reference(w, scale.view(-1, 1, 1)).float() * scale.view(-1, 1, 1), scale
+
+
+def fp8_reference(x, logits, w1, w2, limits, k, fc1_scale=None, fc2_scale=True):
+    """The float32 MoE on the fp8 family's quantized operands: x per tensor, the weights per expert
+    and GEMM2's input per tensor (dynamic scales unless given)."""
+    ids, weights = topk_reference(logits.float(), k)
+    lim = torch.as_tensor(limits, dtype=torch.float32).expand(w1.shape[0])
+    x_dq, _ = reference.quantize_fp8(x, fc1_scale)
+    return reference.moe_forward(x_dq, ids.to(x.device), weights.float().to(x.device), quantize_per_expert(w1)[0],
+                                 quantize_per_expert(w2)[0], limit=lim, fp8_activations=fc2_scale).cpu()
+
+
+@pytest.mark.parametrize("limits", ["7", "16", "mixed"])
+def test_fp8_pipeline_matches_float32_reference_with_the_clamp_biting(device, limits):
+    hidden, inter, e, k, token_counts = geometry(device)
+    w1, w2 = make_weights(device, hidden, inter, e)
+    lim = limits_for(limits, e)
+    weights = sm.prepare_weights(w1, w2, lim, family="fp8")
+    assert weights.w1.dtype == weights.w2.dtype == torch.float8_e4m3fn
+    assert torch.equal(weights.w1_scale, quantize_per_expert(w1)[1])
+    for t in token_counts:
+        x, logits = make_inputs(device, t, hidden, e, seed=t)
+        out = sm.stepfun_moe(x, weights, logits, top_k=k)
+        expected = fp8_reference(x, logits, w1, w2, lim, k)
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+        err = float((out.cpu().float() - expected).norm() / expected.norm())
+        assert err < 2e-2, (t, err)
+        # The reference's quantization is the one the pipeline applies: the unquantized MoE is farther.
+        plain = run_reference(x, logits, w1, w2, lim, k)
+        assert float((plain - expected).norm() / expected.norm()) > 2 * err, t
+
+
+def test_fp8_static_scales_and_e4m3_hidden_states(device):
     hidden, inter, e, k, _ = geometry(device)
     x, logits, w1, w2 = make(device, 64, hidden, inter, e, k)
-    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).to(device))
-    plan = sm.default_plan("bf16", 64, k, e, inter)
-    assert "requant" not in plan.stages
+    fc1_scale, fc2_scale = float(x.float().abs().max()) / 448, 49.0 / 448  # 49: the clamp's bound L * L
+    weights = sm.prepare_weights(w1, w2, 7.0, family="fp8", fc1_input_scale=fc1_scale, fc2_input_scale=fc2_scale)
+    out = sm.stepfun_moe(x, weights, logits, top_k=k)
+    expected = fp8_reference(x, logits, w1, w2, 7.0, k, fc1_scale, fc2_scale)
+    assert float((out.cpu().float() - expected).norm() / expected.norm()) < 2e-2
+    # Hidden states quantized by the caller with the same scale give the same answer, bit for bit.
+    x_q, x_scale = torch.ops.cake.quantize_fp8(x, weights.fc1_input_scale)
+    assert torch.equal(sm.stepfun_moe(x_q, weights, logits, top_k=k, hidden_states_scale=x_scale), out)
+    launch = sm.prepare_stepfun_moe(x_q, weights, logits, top_k=k, hidden_states_scale=x_scale)
+    assert torch.equal(launch.launch(), out)
+    # Weights given in e4m3 with their scales are taken as they are.
+    again = sm.prepare_weights(weights.w1, weights.w2, 7.0, family="fp8", w1_scale=weights.w1_scale,
+                               w2_scale=weights.w2_scale, fc1_input_scale=fc1_scale, fc2_input_scale=fc2_scale)
+    assert again.w2 is weights.w2
+
+
+@families
+def test_pipeline_is_bitwise_the_stages(device, family):
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, 64, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).to(device), family=family)
+    plan = sm.default_plan(family, 64, k, e, inter)
+    assert ("requant" in plan.stages) == (family == "fp8")
     routed = sm.routing(logits, top_k=k, num_experts=e, tile_size=plan.tile_size)
     act = sm.requant(sm.fc1(x, weights, routed), weights)
+    if family == "fp8":
+        assert act.values.dtype == torch.float8_e4m3fn and act.scale.shape == (1,)
     rows = sm.fc2(act, weights, routed)
     staged = sm.finalize(rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx)
     assert torch.equal(sm.stepfun_moe(x, weights, logits, top_k=k, plan=plan), staged)
     gemm2_output, expert_weights, e2p = sm.stepfun_moe(x, weights, logits, top_k=k, plan=plan, do_finalize=False)
-    assert torch.equal(sm.finalize(gemm2_output, expert_weights, e2p), staged)
+    assert gemm2_output.dtype == torch.bfloat16 and torch.equal(sm.finalize(gemm2_output, expert_weights, e2p), staged)
     into = torch.empty_like(staged)
     assert sm.finalize(gemm2_output, expert_weights, e2p, out=into) is into and torch.equal(into, staged)
 
 
-def test_expert_parallel_shards_sum_to_the_whole(device):
+@families
+def test_expert_parallel_shards_sum_to_the_whole(device, family):
     hidden, inter, e, k, _ = geometry(device)
     x, logits, w1, w2 = make(device, 16, hidden, inter, e, k)
-    whole = sm.stepfun_moe(x, sm.prepare_weights(w1, w2, 7.0), logits, top_k=k).float()
+    # fp8: static activation scales, so that every shard quantizes like the whole.
+    scales = dict(fc1_input_scale=AMPLITUDE * 5 / 448, fc2_input_scale=49 / 448) if family == "fp8" else {}
+    whole = sm.stepfun_moe(x, sm.prepare_weights(w1, w2, 7.0, family=family, **scales), logits, top_k=k).float()
     half = e // 2
-    parts = [sm.stepfun_moe(x, sm.prepare_weights(w1[o:o + half], w2[o:o + half], 7.0, num_experts=e,
-                                                  local_expert_offset=o), logits, top_k=k).float()
+    parts = [sm.stepfun_moe(x, sm.prepare_weights(w1[o:o + half], w2[o:o + half], 7.0, family=family,
+                                                  num_experts=e, local_expert_offset=o, **scales),
+                            logits, top_k=k).float()
              for o in (0, half)]
     assert ((parts[0] + parts[1] - whole).norm() / whole.norm()) < 2e-2
 
 
+@families
 @pytest.mark.parametrize("mode", ["logits", "precomputed"])
-def test_prepared_launch_matches_one_shot_and_reads_new_inputs(device, mode):
+def test_prepared_launch_matches_one_shot_and_reads_new_inputs(device, mode, family):
     hidden, inter, e, k, _ = geometry(device)
     x, logits, w1, w2 = make(device, 32, hidden, inter, e, k)
-    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).to(device))
+    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).to(device), family=family)
     routed = sm.routing(logits, top_k=k, num_experts=e)
     ids, scales = routed.expert_ids.clone(), routed.expert_weights.clone()
     inputs = dict(router_logits=logits) if mode == "logits" else dict(topk_ids=ids, topk_weights=scales)
@@ -165,28 +260,31 @@ def test_prepared_launch_matches_one_shot_and_reads_new_inputs(device, mode):
     assert torch.equal(sm.finalize(rows, expert_weights, e2p), out)
 
 
-def test_prepared_stages_on_caller_buffers(device):
+@families
+def test_prepared_stages_on_caller_buffers(device, family):
     hidden, inter, e, k, _ = geometry(device)
     x, logits, w1, w2 = make(device, 16, hidden, inter, e, k)
-    weights = sm.prepare_weights(w1, w2, 7.0)
+    weights = sm.prepare_weights(w1, w2, 7.0, family=family)
     routed = sm.empty_routing_output(16, k, e, device)
     routing = sm.prepare_routing(logits, top_k=k, num_experts=e, out=routed)
     act = torch.empty(16 * k, inter, dtype=torch.bfloat16, device=device)
     fc1 = sm.prepare_fc1(x, weights, routed, out=act)
     requant = sm.prepare_requant(act, weights)
-    fc2 = sm.prepare_fc2(act, weights, routed)
+    fc2 = sm.prepare_fc2(requant.outputs()[0], weights, routed)
     final = sm.prepare_finalize(fc2.outputs()[0], routed.expert_weights, routed.expanded_idx_to_permuted_idx)
     for stage in (routing, fc1, requant, fc2, final):
         stage.launch()
-    assert routing.outputs() == [routed] and fc1.outputs()[0] is act and requant.launch()[0] is act
+    assert routing.outputs() == [routed] and fc1.outputs()[0] is act
+    assert (requant.launch()[0] is act) == (family == "bf16")
     assert torch.equal(final.outputs()[0], sm.stepfun_moe(x, weights, logits, top_k=k))
 
 
 @cuda_only
-def test_prepared_launch_allocates_nothing_and_replays_in_a_graph():
+@families
+def test_prepared_launch_allocates_nothing_and_replays_in_a_graph(family):
     hidden, inter, e, k, _ = geometry("cuda")
     x, logits, w1, w2 = make("cuda", 64, hidden, inter, e, k)
-    weights = sm.prepare_weights(w1, w2, 7.0)
+    weights = sm.prepare_weights(w1, w2, 7.0, family=family)
     launch = sm.prepare_stepfun_moe(x, weights, logits, top_k=k)
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]
@@ -202,10 +300,11 @@ def test_prepared_launch_allocates_nothing_and_replays_in_a_graph():
     assert torch.equal(out, sm.stepfun_moe(x, weights, logits, top_k=k))
 
 
-def test_compiles_fullgraph():
+@families
+def test_compiles_fullgraph(family):
     hidden, inter, e, k, _ = geometry("cpu")
     x, logits, w1, w2 = make("cpu", 8, hidden, inter, e, k)
-    weights = sm.prepare_weights(w1, w2, 7.0)
+    weights = sm.prepare_weights(w1, w2, 7.0, family=family)
 
     def forward(x, logits):
         return sm.stepfun_moe(x, weights, logits, top_k=k)
@@ -214,10 +313,11 @@ def test_compiles_fullgraph():
 
 
 @cuda_only
-def test_cuda_graph_replay_with_new_logits():
+@families
+def test_cuda_graph_replay_with_new_logits(family):
     hidden, inter, e, k, _ = geometry("cuda")
     x, logits, w1, w2 = make("cuda", 64, hidden, inter, e, k)
-    weights = sm.prepare_weights(w1, w2, 7.0)
+    weights = sm.prepare_weights(w1, w2, 7.0, family=family)
     out = sm.stepfun_moe(x, weights, logits, top_k=k)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -230,11 +330,12 @@ def test_cuda_graph_replay_with_new_logits():
 
 
 @cuda_only
+@families
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiles_fullgraph_on_gpu(mode):
+def test_compiles_fullgraph_on_gpu(mode, family):
     hidden, inter, e, k, _ = geometry("cuda")
     x, logits, w1, w2 = make("cuda", 64, hidden, inter, e, k)
-    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).cuda())
+    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).cuda(), family=family)
 
     def forward(x, logits):
         return sm.stepfun_moe(x, weights, logits, top_k=k)
@@ -267,6 +368,28 @@ def test_ops_opcheck():
     torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu_out,
                           (x, weights.w1, routed.permuted_idx_to_expanded_idx, routed.expert_offsets, 4, act, workspace,
                            True, weights.gemm1_clamp_limit))
+    torch.library.opcheck(torch.ops.cake.moe_gemm2_out, (x.new_ones(48, 32), w2, routed.expert_offsets, x.new_empty(48, 64),
+                                                         torch.empty(0, dtype=torch.uint8)))
+    # fp8
+    for scale in (None, torch.tensor([0.1])):
+        torch.library.opcheck(torch.ops.cake.quantize_fp8, (x, scale))
+        torch.library.opcheck(torch.ops.cake.quantize_fp8_out,
+                              (x, scale, x.new_empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty(1)),
+                              test_utils=FP8_OPCHECKS)
+    fp8 = sm.prepare_weights(w1, w2, 3.0, family="fp8")
+    x_q, x_scale = torch.ops.cake.quantize_fp8(x)
+    gemm1 = (x_q, fp8.w1, routed.permuted_idx_to_expanded_idx, routed.expert_offsets, 4, True, fp8.gemm1_clamp_limit,
+             -1, x_scale, fp8.w1_scale)
+    torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu, gemm1, test_utils=FP8_OPCHECKS)
+    workspace = torch.empty(cake_ops._C.moe_gemm1_workspace_size(48, 64, 32, 16, 1), dtype=torch.uint8)
+    torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu_out, (*gemm1[:5], act, workspace, *gemm1[5:]),
+                          test_utils=FP8_OPCHECKS)
+    a_q, a_scale = torch.ops.cake.quantize_fp8(torch.ops.cake.moe_gemm1_swiglu(*gemm1))
+    torch.library.opcheck(torch.ops.cake.moe_gemm2, (a_q, fp8.w2, routed.expert_offsets, True, -1, a_scale,
+                                                     fp8.w2_scale), test_utils=FP8_OPCHECKS)
+    torch.library.opcheck(torch.ops.cake.moe_gemm2_out, (a_q, fp8.w2, routed.expert_offsets, x.new_empty(48, 64),
+                                                         torch.empty(0, dtype=torch.uint8), True, -1, a_scale,
+                                                         fp8.w2_scale), test_utils=FP8_OPCHECKS)
 
 
 def test_plans():
@@ -275,8 +398,9 @@ def test_plans():
     assert all(p.stages == ("routing", "fc1", "fc2", "finalize") for p in plans)
     assert sm.default_plan("bf16", 8, 8, 64, 1536).tile_size == 64
     assert sm.default_plan("bf16", 2048, 8, 64, 1536).tile_size == 128
-    with pytest.raises(NotImplementedError, match="'fp8' weight family is not implemented yet"):
-        sm.plans_for("fp8")
+    assert [p.stages for p in sm.plans_for("fp8")] == [("routing", "fc1", "requant", "fc2", "finalize")] * 2
+    with pytest.raises(NotImplementedError, match="'nvfp4' weight family is not implemented yet"):
+        sm.plans_for("nvfp4")
     with pytest.raises(ValueError, match="family must be one of"):
         sm.plans_for("int4")
 
@@ -302,7 +426,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2, [7.0, 7.0]), """cake_ops.stepfun_moe.prepare_weights: gemm1_clamp_limit must be a number or [E_local=4] limits, got shape [2]""")
         self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2, 0.0), """cake_ops.stepfun_moe.prepare_weights: gemm1_clamp_limit must be positive""")
         self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1.float(), w2, 7.0), """cake_ops.stepfun_moe.prepare_weights: the bf16 family takes bfloat16 weights, got torch.float32 and torch.bfloat16""")
-        self.assertExpectedInline(self.message(NotImplementedError, sm.prepare_weights, w1, w2, 7.0, family="mxfp8"), """cake_ops.stepfun_moe.prepare_weights: the 'mxfp8' weight family is not implemented yet (runs: ('bf16',))""")
+        self.assertExpectedInline(self.message(NotImplementedError, sm.prepare_weights, w1, w2, 7.0, family="mxfp8"), """cake_ops.stepfun_moe.prepare_weights: the 'mxfp8' weight family is not implemented yet (runs: ('bf16', 'fp8'))""")
         self.assertExpectedInline(self.message(TypeError, sm.fc1, torch.zeros(2, 64), (w1, w2), None), """cake_ops.stepfun_moe.fc1: weights must be the cake_stepfun view from prepare_weights, got tuple""")
 
     def test_prepare_errors(self):
@@ -312,6 +436,27 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.message(ValueError, sm.prepare_stepfun_moe, x.t(), weights, logits, top_k=2), """cake_ops.stepfun_moe.prepare_stepfun_moe: hidden_states must be a contiguous [num_tokens, hidden=64] tensor, got [64, 4]""")
         routed = sm.empty_routing_output(4, 2, 4, "cpu")
         self.assertExpectedInline(self.message(RuntimeError, sm.prepare_routing, logits, top_k=2, num_experts=4, out=routed, workspace=torch.empty(0, dtype=torch.uint8)), """cake::moe_routing_out: workspace must be a contiguous uint8 tensor of at least 16 bytes on cpu (cake_ops._C.moe_routing_workspace_size), got Byte [0]""")
+
+    def test_fp8_errors(self):
+        x, logits, w1, w2 = make("cpu", 4, 64, 32, 4, 2)
+        routed = sm.routing(logits, top_k=2, num_experts=4)
+        fp8 = sm.prepare_weights(w1, w2, 7.0, family="fp8")
+        x_q, x_scale = torch.ops.cake.quantize_fp8(x)
+        gemm1 = torch.ops.cake.moe_gemm1_swiglu
+        args = (fp8.w1, routed.permuted_idx_to_expanded_idx, routed.expert_offsets, 2, True, None, -1)
+        self.assertExpectedInline(self.message(RuntimeError, gemm1, x_q, *args), """cake::moe_gemm1_swiglu: float8_e4m3fn x and weights need their scales (a per-tensor x scale and one weight scale per local expert)""")
+        self.assertExpectedInline(self.message(RuntimeError, gemm1, x_q, *args, x_scale, torch.ones(3)), """cake::moe_gemm1_swiglu: the weight scales must be float32 [E_local] = [4] on cpu, got Float [3] on cpu""")
+        self.assertExpectedInline(self.message(RuntimeError, gemm1, x_q, *args, torch.ones(2), fp8.w1_scale), """cake::moe_gemm1_swiglu: the x scale must be one float32 value on cpu, got Float [2] on cpu""")
+        self.assertExpectedInline(self.message(RuntimeError, gemm1, x, sm.prepare_weights(w1, w2, 7.0).w1, *args[1:], x_scale, fp8.w1_scale), """cake::moe_gemm1_swiglu: scales apply to float8_e4m3fn x and weights only, got BFloat16""")
+        self.assertExpectedInline(self.message(RuntimeError, gemm1, x, *args), """cake::moe_gemm1_swiglu: x and w1 must have the same dtype, got BFloat16 and Float8_e4m3fn""")
+        self.assertExpectedInline(self.message(RuntimeError, torch.ops.cake.quantize_fp8, x.int()), """cake::quantize_fp8: x must be bfloat16, float16 or float32, got Int""")
+        self.assertExpectedInline(self.message(RuntimeError, torch.ops.cake.quantize_fp8, x, torch.ones(2)), """cake::quantize_fp8: scale must be one float32 value on cpu (or None for a dynamic scale), got Float [2] on cpu""")
+        self.assertExpectedInline(self.message(RuntimeError, torch.ops.cake.quantize_fp8_out, x, None, torch.empty(4, 64), torch.empty(1)), """cake::quantize_fp8_out: out must be a contiguous float8_e4m3fn tensor of x's shape [4, 64] on cpu, got Float [4, 64] on cpu""")
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, fp8.w1, fp8.w2, 7.0, family="fp8"), """cake_ops.stepfun_moe.prepare_weights: e4m3 weights need w1_scale as float32 [E_local=4] on cpu, got None""")
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2, 7.0, family="fp8", fc2_input_scale=-1.0), """cake_ops.stepfun_moe.prepare_weights: fc2_input_scale must be one positive finite number, got -1.0""")
+        self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2, 7.0, fc1_input_scale=1.0), """cake_ops.stepfun_moe.prepare_weights: the bf16 family takes no scales""")
+        self.assertExpectedInline(self.message(ValueError, sm.stepfun_moe, x_q, fp8, logits, top_k=2), """cake_ops.stepfun_moe.stepfun_moe: hidden_states_scale goes with float8_e4m3fn hidden_states (and only with them)""")
+        self.assertExpectedInline(self.message(TypeError, sm.fc2, torch.zeros(8, 32), fp8, routed), """cake_ops.stepfun_moe.fc2: the fp8 family's fc2 takes requant's QuantizedActivations, got Tensor""")
 
     def test_clamp_limit_errors(self):
         x, _, w1, w2 = make("cpu", 4, 64, 32, 4, 2)

@@ -20,7 +20,44 @@ grouped_gemm_fwd_op() {
   return op;
 }
 
+// The local expert of each of `rows` permuted rows: the number of expert ends at or before it
+// (rows past the last end: the last expert, whose scale or limit then meets a zero row).
+at::Tensor row_experts(const at::Tensor& expert_offsets, int64_t rows) {
+  const auto ends = expert_offsets.slice(0, 1).to(at::kLong).contiguous();
+  return at::searchsorted(ends, at::arange(rows, ends.options()), /*out_int32=*/false, /*right=*/true)
+      .clamp_max(ends.size(0) - 1);
+}
+
+// A MoE GEMM's grouped GEMM, dequantize-then-multiply for fp8: the e4m3 values exactly in
+// float32, the product of expert e scaled by a_scale * w_scale[e] in float32, rounded to
+// bfloat16 (the CUDA kernels' epilogue).
+at::Tensor moe_gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& expert_offsets, bool fp8,
+                    const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w_scale) {
+  if (!fp8) return grouped_gemm_fwd_op().call(a, w, expert_offsets);
+  const auto product = grouped_gemm_fwd_op().call(a.to(at::kFloat), w.to(at::kFloat), expert_offsets);
+  const auto alpha = a_scale->reshape({}) * *w_scale;
+  return (product * alpha.index_select(0, row_experts(expert_offsets, a.size(0))).unsqueeze(1)).to(at::kBFloat16);
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x, const c10::optional<at::Tensor>& scale) {
+  check_quantize_fp8(x, scale, "cake::quantize_fp8");
+  const auto xf = x.to(at::kFloat);
+  const auto used = scale ? scale->reshape({1}).clone()
+                          : (x.numel() == 0 ? at::zeros({1}, xf.options()) : xf.abs().amax().reshape({1}))
+                                    .clamp_min(kFp8MinAmax)
+                                    .div(kE4m3Max);
+  return {(xf / used).clamp(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn), used};
+}
+
+void quantize_fp8_out(const at::Tensor& x, const c10::optional<at::Tensor>& scale, at::Tensor out,
+                      at::Tensor scale_out) {
+  check_quantize_fp8_out(x, out, scale_out, "cake::quantize_fp8_out");
+  auto [q, used] = quantize_fp8(x, scale);
+  out.copy_(q);
+  scale_out.copy_(used.reshape(scale_out.sizes()));
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort(
     const at::Tensor& ids, int64_t num_experts, int64_t num_local_experts,
@@ -51,28 +88,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort(
 at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
                             int64_t top_k, bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits,
-                            int64_t /*tactic*/) {
+                            int64_t /*tactic*/, const c10::optional<at::Tensor>& x_scale,
+                            const c10::optional<at::Tensor>& w1_scale) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  const bool fp8 = check_moe_gemm_scales(x, x_scale, w1_scale, w1.size(0), "x", op);
   if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
   const auto token = at::floor_divide(permuted_to_expanded.clamp_min(0).to(at::kLong), top_k);
   // Permuted rows past the last expert's end come out of the grouped GEMM as zeros.
-  const auto h = grouped_gemm_fwd_op().call(x.index_select(0, token), w1, expert_offsets);
+  const auto rows = (fp8 ? x.to(at::kFloat) : x).index_select(0, token);  // e4m3 values are exact in float32
+  const auto h = moe_gemm(rows, w1, expert_offsets, fp8, x_scale, w1_scale);
   // Interleaved columns: [up 0:32 | gate 0:32 | up 32:64 | ...].
   const auto hv = h.view({s.rows, s.intermediate / 32, 2, 32}).to(at::kFloat);
   auto act = at::silu(hv.select(2, 1));
   auto up = hv.select(2, 0);
   if (clamp_limits && s.rows > 0) {
-    // SwiGLUStep with the limit of each row's expert (the number of expert ends at or before it).
-    const auto ends = expert_offsets.slice(0, 1).to(at::kLong).contiguous();
-    const auto expert = at::searchsorted(ends, at::arange(s.rows, ends.options()), /*out_int32=*/false,
-                                         /*right=*/true)
-                            .clamp_max(w1.size(0) - 1);
-    const auto limit = clamp_limits->index_select(0, expert).view({s.rows, 1, 1});
+    // SwiGLUStep with the limit of each row's expert.
+    const auto limit = clamp_limits->index_select(0, row_experts(expert_offsets, s.rows)).view({s.rows, 1, 1});
     act = at::minimum(act, limit);
     up = at::maximum(at::minimum(up, limit), -limit);
   }
-  return (act * up).to(x.scalar_type()).reshape({s.rows, s.intermediate});
+  return (act * up).to(moe_gemm_out_dtype(x)).reshape({s.rows, s.intermediate});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_routing(
@@ -120,21 +156,37 @@ void moe_routing_out(const c10::optional<at::Tensor>& router_logits, const c10::
 
 void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                           const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
-                          bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic) {
+                          bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
+                          const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale) {
   const char* op = "cake::moe_gemm1_swiglu_out";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
-  check_out(out, {s.rows, s.intermediate}, x.scalar_type(), x, op);
+  check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
   const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
   TORCH_CHECK(workspace.scalar_type() == at::kByte && (workspace.numel() == 0 || workspace.numel() >= need), op,
               ": workspace must be a uint8 tensor of at least ", need,
               " bytes (cake_ops._C.moe_gemm1_workspace_size), or empty, got ", workspace.scalar_type(), " ",
               workspace.sizes());
-  out.copy_(moe_gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic));
+  out.copy_(moe_gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic,
+                             x_scale, w1_scale));
 }
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
-                     bool /*enable_pdl*/, int64_t /*tactic*/) {
-  return grouped_gemm_fwd_op().call(intermediate, w2, expert_offsets);
+                     bool /*enable_pdl*/, int64_t /*tactic*/, const c10::optional<at::Tensor>& a_scale,
+                     const c10::optional<at::Tensor>& w2_scale) {
+  const char* op = "cake::moe_gemm2";
+  check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  const bool fp8 = check_moe_gemm_scales(intermediate, a_scale, w2_scale, w2.size(0), "intermediate", op);
+  return moe_gemm(intermediate, w2, expert_offsets, fp8, a_scale, w2_scale);
+}
+
+void moe_gemm2_out(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
+                   at::Tensor out, at::Tensor workspace, bool enable_pdl, int64_t tactic,
+                   const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale) {
+  const char* op = "cake::moe_gemm2_out";
+  const auto s = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  check_out(out, {s.sum_m, s.n}, moe_gemm_out_dtype(intermediate), intermediate, op);
+  check_moe_gemm2_workspace(workspace, s.num_groups, intermediate, op);
+  out.copy_(moe_gemm2(intermediate, w2, expert_offsets, enable_pdl, tactic, a_scale, w2_scale));
 }
 
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
@@ -164,6 +216,9 @@ TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_gemm1_swiglu_out", &moe_gemm1_swiglu_out);
   m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu);
   m.impl("moe_gemm2", &moe_gemm2);
+  m.impl("moe_gemm2_out", &moe_gemm2_out);
+  m.impl("quantize_fp8", &quantize_fp8);
+  m.impl("quantize_fp8_out", &quantize_fp8_out);
   m.impl("moe_finalize", &moe_finalize);
   m.impl("moe_finalize_out", &moe_finalize_out);
 }

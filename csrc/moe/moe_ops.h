@@ -21,10 +21,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
                             int64_t top_k, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits,
-                            int64_t tactic);
+                            int64_t tactic, const c10::optional<at::Tensor>& x_scale,
+                            const c10::optional<at::Tensor>& w1_scale);
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
-                     bool enable_pdl, int64_t tactic);
+                     bool enable_pdl, int64_t tactic, const c10::optional<at::Tensor>& a_scale,
+                     const c10::optional<at::Tensor>& w2_scale);
 
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                         const at::Tensor& token_final_scales, bool enable_pdl);

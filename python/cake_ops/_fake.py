@@ -18,8 +18,8 @@ def _check_dims(t, dim, name, layout, op):
     _check(t.dim() == dim, f"{op}: {name} must be a {dim}-D {layout} tensor, got shape {list(t.shape)}")
 
 
-def _check_pair(a, a_name, b, b_name, op):
-    _check(a.dtype in _FLOAT_DTYPES,
+def _check_pair(a, a_name, b, b_name, op, allow_e4m3=False):
+    _check(a.dtype in _FLOAT_DTYPES or (allow_e4m3 and a.dtype == torch.float8_e4m3fn),
            f"{op}: {a_name} must be bfloat16, float16, float32 or float64, got {a.dtype}")
     _check(a.dtype == b.dtype,
            f"{op}: {a_name} and {b_name} must have the same dtype, got {a.dtype} and {b.dtype}")
@@ -39,10 +39,10 @@ def check_offs(offs, num_groups, like, op):
            f"E+1={num_groups + 1} (m_indptr with a leading zero), got shape {list(offs.shape)}")
 
 
-def check_fwd(x, w, offs, op="cake::grouped_gemm_fwd"):
+def check_fwd(x, w, offs, op="cake::grouped_gemm_fwd", allow_e4m3=False):
     _check_dims(x, 2, "x", "[sum_m, K]", op)
     _check_dims(w, 3, "w", "[E, N, K]", op)
-    _check_pair(x, "x", w, "w", op)
+    _check_pair(x, "x", w, "w", op, allow_e4m3)
     _check(x.shape[1] == w.shape[2],
            f"{op}: K mismatch: x is [sum_m, K] with K={x.shape[1]} but w is [E, N, K] with K={w.shape[2]}")
     _check_contiguous(x, "x", "[sum_m, K]", op)
@@ -150,21 +150,74 @@ def _moe_routing_fake(router_logits, topk_ids, topk_weights, top_k, num_experts,
             *_moe_sort_fake(ids, num_experts, num_local_experts, local_expert_offset, tile_size))
 
 
+def _moe_gemm_out_dtype(a):
+    return torch.bfloat16 if a.dtype == torch.float8_e4m3fn else a.dtype
+
+
+def _check_moe_gemm_scales(a, a_scale, w_scale, num_local_experts, a_name, op):
+    if a.dtype != torch.float8_e4m3fn:
+        _check(a_scale is None and w_scale is None,
+               f"{op}: scales apply to float8_e4m3fn {a_name} and weights only, got {a.dtype}")
+        return
+    _check(a_scale is not None and w_scale is not None, f"{op}: float8_e4m3fn {a_name} and weights need their scales")
+    _check(a_scale.dtype == torch.float32 and a_scale.numel() == 1,
+           f"{op}: the {a_name} scale must be one float32 value, got {a_scale.dtype} {list(a_scale.shape)}")
+    _check(w_scale.dtype == torch.float32 and tuple(w_scale.shape) == (num_local_experts,),
+           f"{op}: the weight scales must be float32 [E_local] = [{num_local_experts}], got {w_scale.dtype} "
+           f"{list(w_scale.shape)}")
+
+
 @register_fake("cake::moe_gemm1_swiglu")
 def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True, clamp_limits=None,
-                           tactic=-1):
+                           tactic=-1, x_scale=None, w1_scale=None):
     op = "cake::moe_gemm1_swiglu"
     _check(x.dim() == 2 and w1.dim() == 3, f"{op}: x must be [num_tokens, hidden] and w1 [E_local, 2I, hidden]")
     _check(w1.shape[2] == x.shape[1] and w1.shape[1] % 64 == 0,
            f"{op}: w1 must be [E_local, 2I, hidden={x.shape[1]}] with I % 32 == 0, got shape {list(w1.shape)}")
+    _check(w1.dtype == x.dtype, f"{op}: x and w1 must have the same dtype, got {x.dtype} and {w1.dtype}")
     _check(permuted_to_expanded.shape == (x.shape[0] * top_k,),
            f"{op}: permuted_to_expanded must be int32 [num_tokens * top_k] = [{x.shape[0] * top_k}]")
-    return x.new_empty((x.shape[0] * top_k, w1.shape[1] // 2))
+    _check_moe_gemm_scales(x, x_scale, w1_scale, w1.shape[0], "x", op)
+    return x.new_empty((x.shape[0] * top_k, w1.shape[1] // 2), dtype=_moe_gemm_out_dtype(x))
 
 
 @register_fake("cake::moe_gemm2")
-def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True, tactic=-1):
-    return intermediate.new_empty(check_fwd(intermediate, w2, expert_offsets, "cake::moe_gemm2"))
+def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True, tactic=-1, a_scale=None, w2_scale=None):
+    op = "cake::moe_gemm2"
+    shape = check_fwd(intermediate, w2, expert_offsets, op, allow_e4m3=True)
+    _check_moe_gemm_scales(intermediate, a_scale, w2_scale, w2.shape[0], "intermediate", op)
+    return intermediate.new_empty(shape, dtype=_moe_gemm_out_dtype(intermediate))
+
+
+@register_fake("cake::moe_gemm2_out")
+def _moe_gemm2_out_fake(intermediate, w2, expert_offsets, out, workspace, enable_pdl=True, tactic=-1, a_scale=None,
+                        w2_scale=None):
+    want = _moe_gemm2_fake(intermediate, w2, expert_offsets, a_scale=a_scale, w2_scale=w2_scale)
+    _check(out.shape == want.shape and out.dtype == want.dtype,
+           f"cake::moe_gemm2_out: out must be [T * top_k, H] = {list(want.shape)} {want.dtype}, got "
+           f"{list(out.shape)} {out.dtype}")
+
+
+def _check_quantize_fp8(x, scale, op):
+    _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+           f"{op}: x must be bfloat16, float16 or float32, got {x.dtype}")
+    _check(scale is None or (scale.dtype == torch.float32 and scale.numel() == 1),
+           f"{op}: scale must be one float32 value (or None for a dynamic scale)")
+
+
+@register_fake("cake::quantize_fp8")
+def _quantize_fp8_fake(x, scale=None):
+    _check_quantize_fp8(x, scale, "cake::quantize_fp8")
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(1, dtype=torch.float32)
+
+
+@register_fake("cake::quantize_fp8_out")
+def _quantize_fp8_out_fake(x, scale, out, scale_out):
+    op = "cake::quantize_fp8_out"
+    _check_quantize_fp8(x, scale, op)
+    _check(out.dtype == torch.float8_e4m3fn and out.shape == x.shape,
+           f"{op}: out must be a float8_e4m3fn tensor of x's shape {list(x.shape)}, got {out.dtype} {list(out.shape)}")
+    _check(scale_out.dtype == torch.float32 and scale_out.numel() == 1, f"{op}: scale_out must be one float32 value")
 
 
 @register_fake("cake::moe_finalize")
@@ -201,8 +254,9 @@ def _moe_routing_out_fake(router_logits, topk_ids, topk_weights, top_k, num_expe
 
 @register_fake("cake::moe_gemm1_swiglu_out")
 def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, out, workspace, enable_pdl=True,
-                               clamp_limits=None, tactic=-1):
-    want = _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k)
-    _check(out.shape == want.shape and out.dtype == x.dtype,
-           f"cake::moe_gemm1_swiglu_out: out must be [T * top_k, I] = {list(want.shape)} of x's dtype, got "
+                               clamp_limits=None, tactic=-1, x_scale=None, w1_scale=None):
+    want = _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, x_scale=x_scale,
+                                  w1_scale=w1_scale)
+    _check(out.shape == want.shape and out.dtype == want.dtype,
+           f"cake::moe_gemm1_swiglu_out: out must be [T * top_k, I] = {list(want.shape)} {want.dtype}, got "
            f"{list(out.shape)} {out.dtype}")

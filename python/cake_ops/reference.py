@@ -34,16 +34,29 @@ def grouped_gemm_wgrad(grad_out, x, offs, num_groups):
     return dw
 
 
+def quantize_fp8(x, scale=None):
+    """Per-tensor e4m3 quantize-dequantize in float32: (e4m3(clamp(x / s, -448, 448)) * s, s), s =
+    ``scale`` or max(|x|) / 448."""
+    x = x.float()
+    if scale is None:
+        scale = max(float(x.abs().max()) if x.numel() else 0.0, 1e-12) / 448.0
+    q = (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.float() * scale, scale
+
+
 def moe_forward(x, token_selected_experts, token_final_scales, w1_gate_up, w2, num_local_experts=None,
-                local_expert_offset=0, limit=None):
+                local_expert_offset=0, limit=None, fp8_activations=False):
     """float32 MoE: out[t] = sum_j scale[t, j] * ffn(x[t]; e[t, j]) over the routes whose expert is
     in this shard, with ffn(x; e) = act(x @ w1_gate[e].T, x @ w1_up[e].T) @ w2[e].T. w1_gate_up is
     gate-first [E_local, 2I, H]; act is SwiGLU silu(g) * u, or with ``limit`` (per expert, [E_local])
-    SwiGLUStep min(silu(g), L) * clamp(u, -L, L)."""
+    SwiGLUStep min(silu(g), L) * clamp(u, -L, L). ``fp8_activations``: GEMM2's input is
+    quantize-dequantized per tensor (``quantize_fp8``, dynamic scale over every kept route; a number:
+    that static scale), as the fp8 pipelines do."""
     e_local = w1_gate_up.shape[0] if num_local_experts is None else num_local_experts
     inter = w1_gate_up.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local = token_selected_experts.long() - local_expert_offset
+    routes = []
     for e in range(e_local):
         tokens, slots = (local == e).nonzero(as_tuple=True)
         if tokens.numel() == 0:
@@ -56,6 +69,13 @@ def moe_forward(x, token_selected_experts, token_final_scales, w1_gate_up, w2, n
             act = act.clamp(max=lim) * up.clamp(-lim, lim)
         else:
             act = act * up
+        routes.append((e, tokens, slots, act))
+    if fp8_activations is not False and routes:
+        static = None if fp8_activations is True else float(fp8_activations)
+        acts, _ = quantize_fp8(torch.cat([r[3] for r in routes]), static)
+        sizes = [r[3].shape[0] for r in routes]
+        routes = [(e, tokens, slots, act) for (e, tokens, slots, _), act in zip(routes, acts.split(sizes))]
+    for e, tokens, slots, act in routes:
         y = act @ w2[e].float().T
         out.index_add_(0, tokens, y * token_final_scales[tokens, slots].float()[:, None])
     return out

@@ -9,15 +9,24 @@ routing   ``cake::moe_routing``: Renormalize top-k from logits (ties to the lowe
 fc1       ``cake::moe_gemm1_swiglu`` with ``clamp_limits``: the grouped GEMM over gathered token rows
           and the SwiGLUStep epilogue ``min(silu(gate), L_e) * clamp(up, -L_e, L_e)``, ``L_e`` the
           expert's ``gemm1_clamp_limit``.
-requant   the fp8 family's per-tensor e4m3 quantization of fc1's output; the bf16 family has none
-          (its plans skip the stage, the one-shot function returns its input).
+requant   ``cake::quantize_fp8``: the fp8 family's per-tensor e4m3 quantization of fc1's output; the
+          bf16 family has none (its plans skip the stage, the one-shot function returns its input).
 fc2       ``cake::moe_gemm2``: the grouped GEMM.
 finalize  ``cake::moe_finalize``: the weighted combine into token order, float32, fixed order.
 ========  ===========================================================================================
 
-Weight families: ``bf16`` today; ``fp8`` (per tensor) is next; ``nvfp4``, ``nvfp4_bf16tok`` and
-``mxfp8`` plug into the same :class:`Plan` / :class:`StepFunWeights` shape later. Asking for a
-family this build does not run raises ``NotImplementedError`` naming it.
+Weight families: ``bf16`` and ``fp8`` (per tensor); ``nvfp4``, ``nvfp4_bf16tok`` and ``mxfp8`` plug
+into the same :class:`Plan` / :class:`StepFunWeights` shape later (their scales ride in the view,
+their quantized activations in :class:`QuantizedActivations`). Asking for a family this build does
+not run raises ``NotImplementedError`` naming it.
+
+fp8: e4m3 weights with one float32 scale per expert (``w1_scale``, ``w2_scale``) and activations
+quantized per tensor, ``q = e4m3(clamp(x / s, -448, 448))``, on Hopper's fp8 tensor cores (QGMMA).
+Each GEMM scales expert e's product by ``s * w_scale[e]`` in its epilogue, before the clamp (the
+limit is in physical units) and rounds it to bf16; requant quantizes fc1's bf16 output for fc2.
+The activation scales are static when the view carries them (``fc1_input_scale``,
+``fc2_input_scale``, e.g. from calibration) and otherwise dynamic, ``max(|x|) / 448`` computed on
+the device per call. fc1 also takes hidden states already in e4m3 with their scale.
 
 The weight view (:func:`prepare_weights`, view ``"cake_stepfun"``) holds w1 up/gate interleaved at
 32 rows (:func:`cake_ops.fused_moe.interleave_up_gate_sm90`: the same GEMM1 as fused_moe_bf16),
@@ -41,14 +50,14 @@ from . import _C
 from ._experimental import warn_experimental
 from .fused_moe import default_tile_size, interleave_up_gate_sm90
 
-__all__ = ["FAMILIES", "Plan", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch", "StepFunWeights",
+__all__ = ["FAMILIES", "Plan", "QuantizedActivations", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch", "StepFunWeights",
            "default_plan", "empty_routing_output", "fc1", "fc2", "finalize", "plans_for", "prepare_fc1", "prepare_fc2",
            "prepare_finalize", "prepare_requant", "prepare_routing", "prepare_stepfun_moe", "prepare_weights",
            "requant", "routing", "stepfun_moe"]
 
 _FEATURE = "cake_ops.stepfun_moe"
 FAMILIES = ("bf16", "fp8", "nvfp4", "nvfp4_bf16tok", "mxfp8")
-RUNNABLE_FAMILIES = ("bf16",)
+RUNNABLE_FAMILIES = ("bf16", "fp8")
 STAGES = ("routing", "fc1", "requant", "fc2", "finalize")
 
 
@@ -100,13 +109,19 @@ def default_plan(family: str, num_tokens: int, top_k: int, num_local_experts: in
 class StepFunWeights:
     """The ``cake_stepfun`` weight view: w1 ``[E_local, 2I, H]`` up/gate interleaved at 32 rows,
     w2 ``[E_local, H, I]``, gemm1_clamp_limit float32 ``[E_local]``, for experts
-    ``[local_expert_offset, local_expert_offset + E_local)`` of ``num_experts``."""
+    ``[local_expert_offset, local_expert_offset + E_local)`` of ``num_experts``. fp8: w1 and w2 in
+    e4m3 with their per-expert float32 scales, and the static activation scales (float32 ``[1]``)
+    or None for dynamic ones."""
     family: str
     w1: torch.Tensor
     w2: torch.Tensor
     gemm1_clamp_limit: torch.Tensor
     num_experts: int
     local_expert_offset: int = 0
+    w1_scale: Optional[torch.Tensor] = None
+    w2_scale: Optional[torch.Tensor] = None
+    fc1_input_scale: Optional[torch.Tensor] = None
+    fc2_input_scale: Optional[torch.Tensor] = None
     view: str = "cake_stepfun"
 
     @property
@@ -122,12 +137,62 @@ class StepFunWeights:
         return self.w1.shape[1] // 2
 
 
+@dataclasses.dataclass
+class QuantizedActivations:
+    """fc2's input in a quantized family: the values and their scale (fp8: e4m3 ``[rows, I]`` and
+    one float32 scale)."""
+    values: torch.Tensor
+    scale: torch.Tensor
+
+
+def _scale_tensor(fn: str, name: str, value, device) -> Optional[torch.Tensor]:
+    if value is None:
+        return None
+    scale = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
+    if scale.numel() != 1 or not bool(scale.isfinite().all()) or not bool((scale > 0).all()):
+        _fail(fn, f"{name} must be one positive finite number, got {value!r}")
+    return scale.contiguous()
+
+
+def _quantize_per_expert(w: torch.Tensor):
+    """e4m3 weights with one scale per expert, max(|w[e]|) / 448."""
+    amax = w.detach().float().abs().amax(dim=(1, 2)).clamp_min(1e-12)
+    scale = (amax / 448.0).contiguous()
+    return (w.float() / scale.view(-1, 1, 1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_weights(fn: str, w1_gate_up, w2, w1_scale, w2_scale):
+    """The fp8 family's weights and scales: quantized here from a wider dtype, or e4m3 as given."""
+    e_local = w1_gate_up.shape[0]
+    if w1_gate_up.dtype == torch.float8_e4m3fn and w2.dtype == torch.float8_e4m3fn:
+        for name, scale in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+            if scale is None or scale.dtype != torch.float32 or list(scale.shape) != [e_local] or \
+                    scale.device != w1_gate_up.device:
+                _fail(fn, f"e4m3 weights need {name} as float32 [E_local={e_local}] on {w1_gate_up.device}, got "
+                          f"{None if scale is None else (scale.dtype, list(scale.shape), str(scale.device))}")
+        return w1_gate_up, w2, w1_scale.contiguous(), w2_scale.contiguous()
+    if w1_gate_up.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w2.dtype != w1_gate_up.dtype:
+        _fail(fn, f"the fp8 family takes float8_e4m3fn weights with their scales, or bfloat16 / float16 / float32 "
+                  f"weights to quantize, one dtype for both, got {w1_gate_up.dtype} and {w2.dtype}")
+    if w1_scale is not None or w2_scale is not None:
+        _fail(fn, "w1_scale and w2_scale go with float8_e4m3fn weights; wider weights are quantized here")
+    w1_q, w1_s = _quantize_per_expert(w1_gate_up)
+    w2_q, w2_s = _quantize_per_expert(w2)
+    return w1_q, w2_q, w1_s, w2_s
+
+
 def prepare_weights(w1_gate_up: torch.Tensor, w2: torch.Tensor,
                     gemm1_clamp_limit: Union[float, Sequence[float], torch.Tensor], *, family: str = "bf16",
-                    num_experts: Optional[int] = None, local_expert_offset: int = 0) -> StepFunWeights:
+                    num_experts: Optional[int] = None, local_expert_offset: int = 0,
+                    w1_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                    fc1_input_scale=None, fc2_input_scale=None) -> StepFunWeights:
     """Gate-first ``w1_gate_up [E_local, 2I, H]`` (``[gate; up]``) and ``w2 [E_local, H, I]`` ->
     the ``cake_stepfun`` view. ``gemm1_clamp_limit``: one limit for every expert, or one per
-    local expert (physical units). Needs H % 64 == 0 and I % 32 == 0."""
+    local expert (physical units). Needs H % 64 == 0 and I % 32 == 0.
+
+    fp8: e4m3 weights with ``w1_scale`` / ``w2_scale`` (float32 ``[E_local]``), or wider weights
+    that are quantized here (one scale per expert, ``max(|w[e]|) / 448``); ``fc1_input_scale`` and
+    ``fc2_input_scale``: static per-tensor activation scales (None: dynamic, per call)."""
     fn = "prepare_weights"
     _check_family(fn, family)
     if w1_gate_up.dim() != 3 or w2.dim() != 3:
@@ -138,8 +203,10 @@ def prepare_weights(w1_gate_up: torch.Tensor, w2: torch.Tensor,
         _fail(fn, f"w2 must be [E_local, H, I] = {[e_local, hidden, two_i // 2]}, got {list(w2.shape)}")
     if hidden % 64 != 0 or two_i % 64 != 0:
         _fail(fn, f"needs hidden % 64 == 0 and I % 32 == 0, got hidden={hidden}, I={two_i // 2}")
-    if w1_gate_up.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+    if family == "bf16" and (w1_gate_up.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16):
         _fail(fn, f"the bf16 family takes bfloat16 weights, got {w1_gate_up.dtype} and {w2.dtype}")
+    if family == "bf16" and any(s is not None for s in (w1_scale, w2_scale, fc1_input_scale, fc2_input_scale)):
+        _fail(fn, "the bf16 family takes no scales")
     limit = torch.as_tensor(gemm1_clamp_limit, dtype=torch.float32, device=w1_gate_up.device)
     limit = limit.expand(e_local).contiguous() if limit.dim() == 0 else limit.contiguous()
     if list(limit.shape) != [e_local]:
@@ -150,8 +217,14 @@ def prepare_weights(w1_gate_up: torch.Tensor, w2: torch.Tensor,
     if not 0 <= local_expert_offset <= num_experts - e_local:
         _fail(fn, f"the shard [{local_expert_offset}, {local_expert_offset + e_local}) must lie within "
                   f"[0, num_experts={num_experts})")
-    return StepFunWeights(family, interleave_up_gate_sm90(w1_gate_up), w2.contiguous(), limit, num_experts,
-                          local_expert_offset)
+    if family == "bf16":
+        return StepFunWeights(family, interleave_up_gate_sm90(w1_gate_up), w2.contiguous(), limit, num_experts,
+                              local_expert_offset)
+    w1_q, w2_q, w1_s, w2_s = _fp8_weights(fn, w1_gate_up, w2, w1_scale, w2_scale)
+    device = w1_gate_up.device
+    return StepFunWeights(family, interleave_up_gate_sm90(w1_q), w2_q.contiguous(), limit, num_experts,
+                          local_expert_offset, w1_s, w2_s, _scale_tensor(fn, "fc1_input_scale", fc1_input_scale, device),
+                          _scale_tensor(fn, "fc2_input_scale", fc2_input_scale, device))
 
 
 def _check_weights(fn: str, weights) -> StepFunWeights:
@@ -198,29 +271,68 @@ def routing(router_logits: Optional[torch.Tensor] = None, *, topk_ids: Optional[
                                                       num_local, local_expert_offset, tile_size))
 
 
-def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
-        enable_pdl: bool = True) -> torch.Tensor:
-    """GEMM1 with the SwiGLUStep epilogue -> ``[T * top_k, I]`` in permuted row order."""
+def _check_hidden_states(fn: str, hidden_states: torch.Tensor, weights: StepFunWeights, hidden_states_scale) -> None:
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != weights.hidden:
+        _fail(fn, f"hidden_states must be [num_tokens, hidden={weights.hidden}], got {list(hidden_states.shape)}")
+    if weights.family == "bf16" and hidden_states.dtype != torch.bfloat16:
+        _fail(fn, f"the bf16 family takes bfloat16 hidden_states, got {hidden_states.dtype}")
+    if weights.family == "fp8":
+        if hidden_states.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            _fail(fn, f"the fp8 family takes bfloat16 hidden_states, or float8_e4m3fn ones with hidden_states_scale, "
+                      f"got {hidden_states.dtype}")
+        if (hidden_states.dtype == torch.float8_e4m3fn) != (hidden_states_scale is not None):
+            _fail(fn, "hidden_states_scale goes with float8_e4m3fn hidden_states (and only with them)")
+    elif hidden_states_scale is not None:
+        _fail(fn, f"the {weights.family} family takes no hidden_states_scale")
+
+
+def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput, enable_pdl: bool = True,
+        hidden_states_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GEMM1 with the SwiGLUStep epilogue -> ``[T * top_k, I]`` in permuted row order (bf16 for
+    fp8). fp8: bf16 hidden states are quantized per tensor first (the view's ``fc1_input_scale``,
+    else a dynamic scale); e4m3 ones come with ``hidden_states_scale``."""
     warn_experimental(_FEATURE)
     weights = _check_weights("fc1", weights)
-    return torch.ops.cake.moe_gemm1_swiglu(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
+    _check_hidden_states("fc1", hidden_states, weights, hidden_states_scale)
+    x, x_scale = hidden_states, hidden_states_scale
+    if weights.family == "fp8" and x.dtype != torch.float8_e4m3fn:
+        x, x_scale = torch.ops.cake.quantize_fp8(x, weights.fc1_input_scale)
+    return torch.ops.cake.moe_gemm1_swiglu(x, weights.w1, routed.permuted_idx_to_expanded_idx,
                                            routed.expert_offsets, routed.top_k, enable_pdl,
-                                           weights.gemm1_clamp_limit)
+                                           weights.gemm1_clamp_limit, -1, x_scale, weights.w1_scale)
 
 
-def requant(fc1_output: torch.Tensor, weights: StepFunWeights) -> torch.Tensor:
-    """The family's requantization of fc1's output: none for bf16 (returns its input)."""
+def requant(fc1_output: torch.Tensor, weights: StepFunWeights) -> Union[torch.Tensor, QuantizedActivations]:
+    """The family's requantization of fc1's output: fp8, per-tensor e4m3 with the view's
+    ``fc2_input_scale`` (else a dynamic scale); none for bf16 (returns its input)."""
     warn_experimental(_FEATURE)
     weights = _check_weights("requant", weights)
-    return fc1_output
+    if weights.family == "bf16":
+        return fc1_output
+    return QuantizedActivations(*torch.ops.cake.quantize_fp8(fc1_output, weights.fc2_input_scale))
 
 
-def fc2(activations: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
+def _fc2_operands(fn: str, activations, weights: StepFunWeights):
+    """fc2's activations and scale for moe_gemm2: requant's output for quantized families."""
+    if weights.family == "bf16":
+        if not isinstance(activations, torch.Tensor):
+            _fail(fn, f"the bf16 family's fc2 takes fc1's output tensor, got {type(activations).__name__}", TypeError)
+        return activations, None
+    if not isinstance(activations, QuantizedActivations):
+        _fail(fn, f"the {weights.family} family's fc2 takes requant's QuantizedActivations, got "
+                  f"{type(activations).__name__}", TypeError)
+    return activations.values, activations.scale
+
+
+def fc2(activations: Union[torch.Tensor, QuantizedActivations], weights: StepFunWeights, routed: RoutingOutput,
         enable_pdl: bool = True) -> torch.Tensor:
-    """GEMM2 -> ``[T * top_k, H]`` unscaled, permuted row order."""
+    """GEMM2 -> ``[T * top_k, H]`` unscaled, permuted row order (bf16 for fp8); rows past the
+    kept routes are unspecified."""
     warn_experimental(_FEATURE)
     weights = _check_weights("fc2", weights)
-    return torch.ops.cake.moe_gemm2(activations, weights.w2, routed.expert_offsets, enable_pdl)
+    values, scale = _fc2_operands("fc2", activations, weights)
+    return torch.ops.cake.moe_gemm2(values, weights.w2, routed.expert_offsets, enable_pdl, -1, scale,
+                                    weights.w2_scale)
 
 
 def finalize(gemm2_output: torch.Tensor, expert_weights: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
@@ -235,19 +347,16 @@ def finalize(gemm2_output: torch.Tensor, expert_weights: torch.Tensor, expanded_
 
 def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_logits: Optional[torch.Tensor] = None,
                 *, topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                top_k: int, plan: Optional[Plan] = None, do_finalize: bool = True,
-                enable_pdl: bool = True) -> Union[torch.Tensor, List[torch.Tensor]]:
+                top_k: int, plan: Optional[Plan] = None, do_finalize: bool = True, enable_pdl: bool = True,
+                hidden_states_scale: Optional[torch.Tensor] = None) -> Union[torch.Tensor, List[torch.Tensor]]:
     """The whole forward: routing -> fc1 -> requant -> fc2 -> finalize.
 
-    Returns ``output [T, H]``; with ``do_finalize=False`` ``[gemm2_output, expert_weights,
-    expanded_idx_to_permuted_idx]`` for the caller's own combine."""
+    Returns ``output [T, H]`` (bf16); with ``do_finalize=False`` ``[gemm2_output, expert_weights,
+    expanded_idx_to_permuted_idx]`` for the caller's own combine. fp8 takes bf16 hidden states, or
+    e4m3 ones with ``hidden_states_scale``."""
     warn_experimental(_FEATURE)
     weights = _check_weights("stepfun_moe", weights)
-    if hidden_states.dim() != 2 or hidden_states.shape[1] != weights.hidden:
-        _fail("stepfun_moe", f"hidden_states must be [num_tokens, hidden={weights.hidden}], got "
-                             f"{list(hidden_states.shape)}")
-    if hidden_states.dtype != torch.bfloat16:
-        _fail("stepfun_moe", f"the bf16 family takes bfloat16 hidden_states, got {hidden_states.dtype}")
+    _check_hidden_states("stepfun_moe", hidden_states, weights, hidden_states_scale)
     plan = plan or default_plan(weights.family, hidden_states.shape[0], top_k, weights.num_local_experts,
                                 weights.intermediate)
     if plan.family != weights.family:
@@ -255,7 +364,7 @@ def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_log
     routed = routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
                      num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
                      local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
-    act = fc1(hidden_states.contiguous(), weights, routed, enable_pdl)
+    act = fc1(hidden_states.contiguous(), weights, routed, enable_pdl, hidden_states_scale)
     if "requant" in plan.stages:
         act = requant(act, weights)
     rows = fc2(act, weights, routed, enable_pdl)
@@ -328,46 +437,69 @@ def prepare_routing(router_logits: Optional[torch.Tensor] = None, *, topk_ids: O
     return _bound("routing", run, [out])
 
 
+def _empty_fp8(like: torch.Tensor, rows: int, cols: int) -> QuantizedActivations:
+    return QuantizedActivations(like.new_empty((rows, cols), dtype=torch.float8_e4m3fn),
+                                like.new_empty(1, dtype=torch.float32))
+
+
 def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
                 out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
-                enable_pdl: bool = True) -> StepFunStageLaunch:
-    """fc1 into ``out [T * top_k, I]`` with a uint8 ``workspace`` of
-    ``_C.moe_gemm1_workspace_size(T * top_k, H, I, E_local, element_size)`` bytes."""
+                enable_pdl: bool = True, hidden_states_scale: Optional[torch.Tensor] = None) -> StepFunStageLaunch:
+    """fc1 into ``out [T * top_k, I]`` (bf16) with a uint8 ``workspace`` of
+    ``_C.moe_gemm1_workspace_size(T * top_k, H, I, E_local, element_size)`` bytes (element_size of
+    GEMM1's input: 1 for fp8). fp8 with bf16 hidden states also binds their e4m3 copy and scale."""
     warn_experimental(_FEATURE)
     weights = _check_weights("prepare_fc1", weights)
+    _check_hidden_states("prepare_fc1", hidden_states, weights, hidden_states_scale)
     rows = routed.expert_ids.numel()
-    out = out if out is not None else hidden_states.new_empty(rows, weights.intermediate)
+    quantize = weights.family == "fp8" and hidden_states.dtype != torch.float8_e4m3fn
+    x = _empty_fp8(hidden_states, *hidden_states.shape) if quantize else \
+        QuantizedActivations(hidden_states, hidden_states_scale)
+    out = out if out is not None else hidden_states.new_empty((rows, weights.intermediate), dtype=torch.bfloat16)
     if workspace is None:
         workspace = _bytes(_C.moe_gemm1_workspace_size(rows, weights.hidden, weights.intermediate,
-                                                       weights.num_local_experts, hidden_states.element_size()),
+                                                       weights.num_local_experts, x.values.element_size()),
                            hidden_states.device)
 
     def run():
-        torch.ops.cake.moe_gemm1_swiglu_out(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
+        if quantize:
+            torch.ops.cake.quantize_fp8_out(hidden_states, weights.fc1_input_scale, x.values, x.scale)
+        torch.ops.cake.moe_gemm1_swiglu_out(x.values, weights.w1, routed.permuted_idx_to_expanded_idx,
                                             routed.expert_offsets, routed.top_k, out, workspace, enable_pdl,
-                                            weights.gemm1_clamp_limit)
+                                            weights.gemm1_clamp_limit, -1, x.scale, weights.w1_scale)
     return _bound("fc1", run, [out])
 
 
-def prepare_requant(fc1_output: torch.Tensor, weights: StepFunWeights) -> StepFunStageLaunch:
-    """The family's requantization; bf16 has none: ``launch()`` returns ``[fc1_output]``."""
+def prepare_requant(fc1_output: torch.Tensor, weights: StepFunWeights,
+                    out: Optional[QuantizedActivations] = None) -> StepFunStageLaunch:
+    """The family's requantization into ``out`` (fp8: e4m3 ``[T * top_k, I]`` and a float32 ``[1]``
+    scale); bf16 has none: ``launch()`` returns ``[fc1_output]``."""
     warn_experimental(_FEATURE)
-    _check_weights("prepare_requant", weights)
-    return StepFunStageLaunch("requant", lambda: None, [fc1_output])
+    weights = _check_weights("prepare_requant", weights)
+    if weights.family == "bf16":
+        return StepFunStageLaunch("requant", lambda: None, [fc1_output])
+    out = out if out is not None else _empty_fp8(fc1_output, *fc1_output.shape)
+
+    def run():
+        torch.ops.cake.quantize_fp8_out(fc1_output, weights.fc2_input_scale, out.values, out.scale)
+    return _bound("requant", run, [out])
 
 
-def prepare_fc2(activations: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput,
-                out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None) -> StepFunStageLaunch:
-    """fc2 into ``out [T * top_k, H]`` with a uint8 ``workspace`` of
+def prepare_fc2(activations: Union[torch.Tensor, QuantizedActivations], weights: StepFunWeights,
+                routed: RoutingOutput, out: Optional[torch.Tensor] = None, workspace: Optional[torch.Tensor] = None,
+                enable_pdl: bool = True) -> StepFunStageLaunch:
+    """fc2 into ``out [T * top_k, H]`` (bf16) with a uint8 ``workspace`` of
     ``_C.grouped_gemm_workspace_size(E_local)`` bytes."""
     warn_experimental(_FEATURE)
     weights = _check_weights("prepare_fc2", weights)
-    out = out if out is not None else activations.new_empty(activations.shape[0], weights.hidden)
+    values, scale = _fc2_operands("prepare_fc2", activations, weights)
+    out = out if out is not None else values.new_empty((values.shape[0], weights.hidden), dtype=torch.bfloat16)
     if workspace is None:
-        workspace = _bytes(_C.grouped_gemm_workspace_size(weights.num_local_experts), activations.device)
+        workspace = _bytes(_C.grouped_gemm_workspace_size(weights.num_local_experts), values.device)
 
     def run():
-        torch.ops.cake.grouped_gemm_fwd_out(activations, weights.w2, routed.expert_offsets, out, workspace)
+        torch.ops.cake.moe_gemm2_out(values, weights.w2, routed.expert_offsets, out, workspace, enable_pdl, -1, scale,
+                                     weights.w2_scale)
     return _bound("fc2", run, [out])
 
 
@@ -405,7 +537,8 @@ class StepFunMoeLaunch:
 def prepare_stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights,
                         router_logits: Optional[torch.Tensor] = None, *, topk_ids: Optional[torch.Tensor] = None,
                         topk_weights: Optional[torch.Tensor] = None, top_k: int, plan: Optional[Plan] = None,
-                        do_finalize: bool = True, enable_pdl: bool = True) -> StepFunMoeLaunch:
+                        do_finalize: bool = True, enable_pdl: bool = True,
+                        hidden_states_scale: Optional[torch.Tensor] = None) -> StepFunMoeLaunch:
     """Check the arguments, pick the plan, allocate the buffer set once and bind it: the returned
     launch reads the current contents of ``hidden_states`` and the routing inputs on every
     ``launch()``."""
@@ -416,14 +549,17 @@ def prepare_stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights,
                                      f"tensor, got {list(hidden_states.shape)}")
     plan = plan or default_plan(weights.family, hidden_states.shape[0], top_k, weights.num_local_experts,
                                 weights.intermediate)
+    if plan.family != weights.family:
+        _fail("prepare_stepfun_moe", f"the plan is for the {plan.family!r} family, the weights are {weights.family!r}")
     routing_stage = prepare_routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
                                     num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
                                     local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
     routed = routing_stage.outputs()[0]
-    stages = [routing_stage, prepare_fc1(hidden_states, weights, routed, enable_pdl=enable_pdl)]
+    stages = [routing_stage, prepare_fc1(hidden_states, weights, routed, enable_pdl=enable_pdl,
+                                         hidden_states_scale=hidden_states_scale)]
     if "requant" in plan.stages:
         stages.append(prepare_requant(stages[-1].outputs()[0], weights))
-    stages.append(prepare_fc2(stages[-1].outputs()[0], weights, routed))
+    stages.append(prepare_fc2(stages[-1].outputs()[0], weights, routed, enable_pdl=enable_pdl))
     rows = stages[-1].outputs()[0]
     if not do_finalize:
         return StepFunMoeLaunch(stages, [rows, routed.expert_weights, routed.expanded_idx_to_permuted_idx])

@@ -19,9 +19,12 @@ using Op = GroupedGemmOp;
 // What the Hopper kernels need beyond the shared checks.
 void check_cuda_operands(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                          const at::Tensor& out, const char* op) {
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16 || (kind == Op::kFwd && a.scalar_type() == at::kHalf), op,
-              ": CUDA kernels take bfloat16 operands (fwd also float16), got ", a.scalar_type(),
-              " (the CPU implementation also takes float16, float32 and float64)");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 ||
+                  (kind == Op::kFwd && (a.scalar_type() == at::kHalf || a.scalar_type() == at::kFloat8_e4m3fn)),
+              op, ": CUDA kernels take bfloat16 operands (fwd also float16, and float8_e4m3fn for the MoE GEMMs), got ",
+              a.scalar_type(), " (the CPU implementation also takes float16, float32 and float64)");
+  TORCH_CHECK(a.scalar_type() != at::kFloat8_e4m3fn || out.scalar_type() == at::kBFloat16, op,
+              ": float8_e4m3fn operands give a bfloat16 output, got ", out.scalar_type(), " (internal error)");
   TORCH_CHECK(s.n % 8 == 0 && s.k % 8 == 0, op,
               ": CUDA kernels need N and K to be multiples of 8 (16-byte rows for TMA), got N=", s.n,
               " and K=", s.k);
@@ -43,7 +46,7 @@ void check_workspace(const at::Tensor& workspace, const GroupedGemmShape& s, con
 
 void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op, bool pdl,
-                 bool zero_tail, int64_t forced_tactic = -1) {
+                 bool zero_tail, int64_t forced_tactic = -1, GroupedGemmScales scales = {}) {
   check_cuda_operands(kind, s, a, b, out, op);
   check_workspace(workspace, s, a, op);
   c10::cuda::CUDAGuard guard(a.device());
@@ -70,10 +73,12 @@ void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
   p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
   p.pdl = pdl;
   p.zero_tail = zero_tail;
+  p.a_scale = scales.a;
+  p.b_scale = scales.b;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.device);
   switch (arch) {
     case KernelArch::kSm90: {
-      const TacticFamily family = tactic_family(kind, out.scalar_type());
+      const TacticFamily family = tactic_family(kind, a.scalar_type(), out.scalar_type());
       const auto& table = tactics_sm90(family);
       TORCH_CHECK(forced_tactic < static_cast<int64_t>(table.size()), op, ": tactic must be below ", table.size(),
                   ", got ", forced_tactic);
@@ -104,13 +109,13 @@ struct CudaBackend {
 
 void run_grouped_gemm_cuda(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                            const at::Tensor& offs, at::Tensor& out, const char* op, bool pdl, bool zero_tail,
-                           int64_t tactic, at::Tensor* workspace) {
+                           int64_t tactic, at::Tensor* workspace, GroupedGemmScales scales) {
   if (workspace != nullptr) {
-    launch_with(kind, s, a, b, offs, out, *workspace, op, pdl, zero_tail, tactic);
+    launch_with(kind, s, a, b, offs, out, *workspace, op, pdl, zero_tail, tactic, scales);
     return;
   }
   auto own = CudaBackend::workspace(s, a);
-  launch_with(kind, s, a, b, offs, out, own, op, pdl, zero_tail, tactic);
+  launch_with(kind, s, a, b, offs, out, own, op, pdl, zero_tail, tactic, scales);
 }
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {

@@ -13,9 +13,15 @@ namespace cake {
 // past the last group end unwritten (GroupedGemmParams); `tactic` >= 0 runs that tactic of the
 // family (an index into tactics_sm90) instead of the tuned or heuristic choice; `workspace`:
 // grouped_gemm_workspace_bytes(E) caller-owned bytes (default: allocated here).
+// float8_e4m3fn operands (fwd only, bfloat16 out): group g's output is scaled by
+// (*scales.a) * scales.b[g], device float32 pointers checked by the caller.
+struct GroupedGemmScales {
+  const float* a = nullptr;
+  const float* b = nullptr;
+};
 void run_grouped_gemm_cuda(GroupedGemmOp kind, const GroupedGemmShape& s, const at::Tensor& a,
                            const at::Tensor& b, const at::Tensor& offs, at::Tensor& out,
                            const char* op, bool pdl, bool zero_tail, int64_t tactic = -1,
-                           at::Tensor* workspace = nullptr);
+                           at::Tensor* workspace = nullptr, GroupedGemmScales scales = {});
 
 }  // namespace cake

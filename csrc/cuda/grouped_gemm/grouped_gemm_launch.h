@@ -8,7 +8,7 @@
 
 namespace cake {
 
-// One grouped GEMM over bf16 operands, in the op's terms (w is [E, N, K]):
+// One grouped GEMM over bf16, fp16 or e4m3 operands, in the op's terms (w is [E, N, K]):
 //   fwd:   a = x [sum_m, K],        b = w [E, N, K],   out = y [sum_m, N]
 //   dgrad: a = grad_out [sum_m, N], b = w [E, N, K],   out = dx [sum_m, K]
 //   wgrad: a = grad_out [sum_m, N], b = x [sum_m, K],  out = dw [E, N, K]
@@ -36,6 +36,10 @@ struct GroupedGemmParams {
   // fwd/dgrad: zero the output rows past the last group end (the ops' contract). Internal
   // callers whose consumers never read those rows (the MoE GEMMs) skip the writes.
   bool zero_tail = true;
+  // e4m3 configurations: group g's output is scaled by (*a_scale) * b_scale[g] (device float32;
+  // null reads as 1). Other configurations ignore them.
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
 };
 
 using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);

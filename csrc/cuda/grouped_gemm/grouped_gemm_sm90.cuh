@@ -73,14 +73,15 @@ struct WaitForPredecessor : Base {
 // and transposed (swap AB), D = y[s:t]^T / dx[s:t]^T (column-major, written in place):
 //   fwd:   M = N, N = t-s, K = K;  A = w[e] (row-major),    B = x[s:t] (K-major)
 //   dgrad: M = K, N = t-s, K = N;  A = w[e]^T (M-major),    B = g[s:t] (K-major)
-template <Kind kKind, class ElementOut_, class TileShape_, class ClusterShape_, class Schedule>
+template <Kind kKind, class ElementIn_, class ElementOut_, class TileShape_, class ClusterShape_, class Schedule>
 struct GroupedGemmConfig {
   static constexpr Kind kind = kKind;
   static constexpr Kind op = op_of(kKind);
-  // bf16 inputs, except for the float16 configurations (half_t output).
-  using ElementIn = std::conditional_t<std::is_same_v<ElementOut_, cutlass::half_t>, cutlass::half_t,
-                                       cutlass::bfloat16_t>;
+  using ElementIn = ElementIn_;
   using ElementOut = ElementOut_;
+  // fp8 inputs (per-tensor scaled): the epilogue multiplies group g's accumulators by
+  // alpha[g] = a_scale * b_scale[g] (GroupedGemmParams), which the prologue writes.
+  static constexpr bool kScaled = std::is_same_v<ElementIn_, cutlass::float_e4m3_t>;
   using ElementAccumulator = float;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using LayoutA = std::conditional_t<kKind == Kind::kWgrad || kKind == Kind::kDgradSwapAB,
@@ -126,6 +127,7 @@ struct GroupArrays {
   typename Config::StrideA* stride_a;
   typename Config::StrideB* stride_b;
   typename Config::StrideD* stride_d;
+  float* alpha;  // fp8 configurations: the epilogue's per-group scale
 };
 
 template <Kind kKind>
@@ -214,6 +216,9 @@ __global__ void __launch_bounds__(kPrologueThreads)
       arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, m, 1});
       arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, k, 1});
     }
+    if constexpr (Config::kScaled) {
+      arr.alpha[e] = (p.a_scale ? *p.a_scale : 1.0f) * (p.b_scale ? p.b_scale[e] : 1.0f);
+    }
   }
 
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -253,7 +258,7 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   using Gemm = typename Config::Gemm;
   static_assert(sizeof(typename Config::GroupShape) + 3 * sizeof(void*) +
                         sizeof(typename Config::StrideA) + sizeof(typename Config::StrideB) +
-                        sizeof(typename Config::StrideD) <=
+                        sizeof(typename Config::StrideD) + sizeof(float) <=
                     kPerGroupBytes,
                 "per-group arguments outgrew kPerGroupBytes");
   const int64_t E = p.num_groups;
@@ -265,7 +270,8 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
                           ws.take<typename Config::ElementOut*>(E),
                           ws.take<typename Config::StrideA>(E),
                           ws.take<typename Config::StrideB>(E),
-                          ws.take<typename Config::StrideD>(E)};
+                          ws.take<typename Config::StrideD>(E),
+                          ws.take<float>(E)};
 
   dim3 grid(kZeroBlocksPerGroup, static_cast<unsigned>(std::max<int64_t>(E, 1)));
   launch_kernel(prepare_groups_kernel<Config>, grid, dim3(kPrologueThreads), 0, stream, p.pdl, p, arr);
@@ -281,6 +287,10 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
+  if constexpr (Config::kScaled) {
+    args.epilogue.thread.alpha_ptr = arr.alpha;
+    args.epilogue.thread.dAlpha = {_0{}, _0{}, 1};  // one alpha per group
+  }
   args.epilogue.ptr_C = nullptr;
   args.epilogue.dC = nullptr;
   args.epilogue.ptr_D = arr.ptr_d;
@@ -310,10 +320,10 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
 }  // namespace cake::sm90
 
 // Defines the launcher of one configuration (used by the generated per-configuration .cu files).
-#define CAKE_GG_DEFINE_CONFIG(name, kind, out, tm, tn, tk, cm, cn, schedule)                      \
+#define CAKE_GG_DEFINE_CONFIG(name, kind, in, out, tm, tn, tk, cm, cn, schedule)                  \
   void cake::sm90::grouped_gemm_##name(const cake::GroupedGemmParams& p, cudaStream_t stream) { \
     using Config = cake::sm90::GroupedGemmConfig<                                                \
-        cake::sm90::Kind::kind, out, cute::Shape<cute::Int<tm>, cute::Int<tn>, cute::Int<tk>>,   \
+        cake::sm90::Kind::kind, in, out, cute::Shape<cute::Int<tm>, cute::Int<tn>, cute::Int<tk>>, \
         cute::Shape<cute::Int<cm>, cute::Int<cn>, cute::_1>, cake::sm90::schedule>;              \
     cake::sm90::run_grouped_gemm<Config>(p, stream);                                             \
   }

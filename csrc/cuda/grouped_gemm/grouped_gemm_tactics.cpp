@@ -12,7 +12,13 @@
 namespace cake {
 namespace {
 
-std::array<std::atomic<int>, static_cast<int>(TacticFamily::kCount)> g_override{-1, -1, -1, -1, -1};
+std::array<std::atomic<int>, static_cast<int>(TacticFamily::kCount)> g_override{-1, -1, -1, -1, -1, -1};
+
+constexpr int kFamilies = static_cast<int>(TacticFamily::kCount);
+// Configuration names start with their family's prefix.
+constexpr const char* kPrefixes[kFamilies] = {"fwd_bf16_", "dgrad_bf16_", "wgrad_bf16_", "wgrad_f32_", "fwd_f16_",
+                                              "fwd_e4m3_"};
+constexpr const char* kFamilyNames[kFamilies] = {"fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3"};
 
 using BucketKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;  // family, E, rows, N, K
 std::mutex g_tuned_mutex;
@@ -27,12 +33,10 @@ BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s) {
 std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
   std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> tables;
   auto add = [&](const char* name, GroupedGemmLaunchFn fn) {
-    // The name starts with the family: fwd_bf16_, dgrad_bf16_, wgrad_bf16_, wgrad_f32_, fwd_f16_.
-    TacticFamily family = std::strncmp(name, "fwd_f16_", 8) == 0 ? TacticFamily::kFwdF16
-                          : std::strncmp(name, "fwd_", 4) == 0     ? TacticFamily::kFwdBf16
-                          : std::strncmp(name, "dgrad_", 6) == 0 ? TacticFamily::kDgradBf16
-                          : std::strncmp(name, "wgrad_f32", 9) == 0 ? TacticFamily::kWgradF32
-                                                                    : TacticFamily::kWgradBf16;
+    int f = 0;
+    while (f < kFamilies && std::strncmp(name, kPrefixes[f], std::strlen(kPrefixes[f])) != 0) ++f;
+    TORCH_CHECK(f < kFamilies, "cake grouped GEMM: configuration ", name, " has no family (internal error)");
+    const auto family = static_cast<TacticFamily>(f);
     // Each configuration with the default tile order first (what the heuristic names), then
     // along N, and both with 4-tile swizzles: the autotuner's extra choices.
     auto& table = tables[static_cast<int>(family)];
@@ -66,20 +70,22 @@ struct HeuristicChoices {
 };
 
 const HeuristicChoices& heuristic_choices(TacticFamily family) {
-  constexpr int kFamilies = static_cast<int>(TacticFamily::kCount);
   static const auto choices = [] {
     std::array<HeuristicChoices, kFamilies> c{};
-    const char* prefixes[kFamilies] = {"fwd_bf16_", "dgrad_bf16_", "wgrad_bf16_", "wgrad_f32_", "fwd_f16_"};
     for (int f = 0; f < kFamilies; ++f) {
       const auto fam = static_cast<TacticFamily>(f);
-      auto named = [&](const char* rest) { return find(fam, std::string(prefixes[f]) + rest); };
-      const int coop_2x1 = named("coop_128x256x64_c2x1");
-      const int coop_1x2 = named("coop_128x256x64_c1x2_rasterN_swz4");
+      auto named = [&](const std::string& rest) { return find(fam, kPrefixes[f] + rest); };
+      // e4m3 tiles hold twice the elements along K (the same bytes as the 16-bit tiles).
+      const bool fp8 = fam == TacticFamily::kFwdE4m3;
+      const std::string k64 = fp8 ? "128" : "64", k128 = fp8 ? "256" : "128";
+      const int coop_2x1 = named("coop_128x256x" + k64 + "_c2x1");
+      const int coop_1x2 = named("coop_128x256x" + k64 + "_c1x2_rasterN_swz4");
       switch (fam) {
         case TacticFamily::kFwdBf16:
         case TacticFamily::kFwdF16:
-          c[f] = {named("swapab_coop_128x32x128_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1,
-                  named("ping_128x128x64_c1x1_rasterN")};
+        case TacticFamily::kFwdE4m3:
+          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("ping_128x128x" + k64 + "_c1x1_swz4"), coop_1x2,
+                  coop_2x1, named("ping_128x128x" + k64 + "_c1x1_rasterN")};
           break;
         case TacticFamily::kDgradBf16:
           c[f] = {named("ping_64x256x64_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1, -1};
@@ -95,10 +101,12 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
 
 }  // namespace
 
-TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType out_dtype) {
+TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::ScalarType out_dtype) {
   switch (op) {
     case GroupedGemmOp::kFwd:
-      return out_dtype == at::kHalf ? TacticFamily::kFwdF16 : TacticFamily::kFwdBf16;
+      return in_dtype == at::kFloat8_e4m3fn ? TacticFamily::kFwdE4m3
+             : out_dtype == at::kHalf       ? TacticFamily::kFwdF16
+                                            : TacticFamily::kFwdBf16;
     case GroupedGemmOp::kDgrad:
       return TacticFamily::kDgradBf16;
     case GroupedGemmOp::kWgrad:
@@ -108,12 +116,10 @@ TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType out_dtype) {
 }
 
 TacticFamily tactic_family(const std::string& name) {
-  if (name == "fwd") return TacticFamily::kFwdBf16;
-  if (name == "dgrad") return TacticFamily::kDgradBf16;
-  if (name == "wgrad") return TacticFamily::kWgradBf16;
-  if (name == "wgrad_f32") return TacticFamily::kWgradF32;
-  if (name == "fwd_f16") return TacticFamily::kFwdF16;
-  TORCH_CHECK(false, "grouped GEMM tactics: family must be fwd, dgrad, wgrad, wgrad_f32 or fwd_f16, got '",
+  for (int f = 0; f < kFamilies; ++f) {
+    if (name == kFamilyNames[f]) return static_cast<TacticFamily>(f);
+  }
+  TORCH_CHECK(false, "grouped GEMM tactics: family must be fwd, dgrad, wgrad, wgrad_f32, fwd_f16 or fwd_e4m3, got '",
               name, "'");
 }
 
@@ -147,11 +153,14 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
   // H100's L2): sweeping along N keeps the expert's weight in L2 and re-reads x tiles from it,
   // 128x128 pingpong +4 to +10% over the 1x2 cluster (the E=4 and E=8 "down" shapes).
   constexpr int64_t kWeightInL2Bytes = 25ll << 20;
-  if (rows_per_group > 8192 && c.large_groups_weight_in_l2 >= 0 && s.n * s.k * 2 <= kWeightInL2Bytes) {
+  const int64_t weight_element_bytes = family == TacticFamily::kFwdE4m3 ? 1 : 2;
+  if (rows_per_group > 8192 && c.large_groups_weight_in_l2 >= 0 &&
+      s.n * s.k * weight_element_bytes <= kWeightInL2Bytes) {
     return c.large_groups_weight_in_l2;
   }
   // The tile's N side: fwd N, dgrad K, wgrad K (the output is [N, K] per group).
-  const bool fwd = family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16;
+  const bool fwd =
+      family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16 || family == TacticFamily::kFwdE4m3;
   const int64_t n_extent = fwd ? s.n : s.k;
   const bool n_tiles_pair = ((n_extent + 255) / 256) % 2 == 0;
   return n_tiles_pair ? c.large_groups : c.large_groups_odd;

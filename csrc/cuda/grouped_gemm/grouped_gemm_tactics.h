@@ -11,8 +11,9 @@
 
 namespace cake {
 
-// Configurations are grouped by what they compute: op and dtypes (fp16: fwd only).
-enum class TacticFamily { kFwdBf16, kDgradBf16, kWgradBf16, kWgradF32, kFwdF16, kCount };
+// Configurations are grouped by what they compute: op and dtypes (fp16 and e4m3: fwd only;
+// e4m3 inputs give bf16 outputs).
+enum class TacticFamily { kFwdBf16, kDgradBf16, kWgradBf16, kWgradF32, kFwdF16, kFwdE4m3, kCount };
 
 // A kernel configuration and the scheduler's tile order (a run-time choice, no extra kernel).
 struct Tactic {
@@ -22,8 +23,8 @@ struct Tactic {
   int swizzle = 1;
 };
 
-TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType out_dtype);
-// "fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16" -> family; throws on anything else.
+TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::ScalarType out_dtype);
+// "fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3" -> family; throws on anything else.
 TacticFamily tactic_family(const std::string& name);
 const std::vector<Tactic>& tactics_sm90(TacticFamily family);
 // The forced tactic of the family (set_tactic_override), else the autotuned tactic of the shape

@@ -18,8 +18,23 @@ namespace {
 
 // The element types of the SM90 MoE GEMMs.
 void check_gemm_dtype(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
-              ": CUDA kernels take bfloat16 or float16 activations and weights, got ", x.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf || x.scalar_type() == at::kFloat8_e4m3fn,
+              op, ": CUDA kernels take bfloat16, float16 or float8_e4m3fn activations and weights, got ",
+              x.scalar_type());
+}
+
+sm90::FloatType float_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat      ? sm90::FloatType::kFloat
+         : t.scalar_type() == at::kBFloat16 ? sm90::FloatType::kBFloat16
+                                            : sm90::FloatType::kHalf;
+}
+
+// The fp8 scales as the grouped GEMM takes them (after check_moe_gemm_scales).
+GroupedGemmScales gemm_scales(const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w_scale,
+                              at::Tensor& w_scale_contiguous) {
+  if (!a_scale) return {};
+  w_scale_contiguous = w_scale->contiguous();
+  return {a_scale->data_ptr<float>(), w_scale_contiguous.data_ptr<float>()};
 }
 
 // moe_routing's seven outputs (moe_sort's five are the last five).
@@ -85,10 +100,7 @@ void routing_into(const c10::optional<at::Tensor>& router_logits, const c10::opt
     TORCH_CHECK(logits.is_cuda(), op, ": router_logits must be a CUDA tensor here");
     c10::cuda::CUDAGuard guard(logits.device());
     select_kernel_arch(logits.get_device(), op);
-    const auto type = logits.scalar_type() == at::kFloat      ? sm90::LogitType::kFloat
-                      : logits.scalar_type() == at::kBFloat16 ? sm90::LogitType::kBFloat16
-                                                              : sm90::LogitType::kHalf;
-    sm90::moe_topk_softmax(logits.data_ptr(), type, logits.size(0), static_cast<int>(num_experts),
+    sm90::moe_topk_softmax(logits.data_ptr(), float_type(logits), logits.size(0), static_cast<int>(num_experts),
                            static_cast<int>(top_k), o.ids.data_ptr<int32_t>(), o.weights.data_ptr<float>(),
                            at::cuda::getCurrentCUDAStream(logits.get_device()), /*pdl=*/true);
   } else {
@@ -133,8 +145,10 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 // (moe_gemm1_workspace); an empty workspace is allocated here (one-shot calls, traced code).
 void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
-                const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const MoeGemm1Shape& s,
-                at::Tensor& out, const at::Tensor& workspace_in, const char* op) {
+                const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
+                const c10::optional<at::Tensor>& w1_scale, const MoeGemm1Shape& s, at::Tensor& out,
+                const at::Tensor& workspace_in, const char* op) {
+  check_moe_gemm_scales(x_in, x_scale, w1_scale, w1.size(0), "x", op);
   at::Tensor clamp_limits;
   if (clamp_limits_in) {
     check_clamp_limits(*clamp_limits_in, w1.size(0), x_in, op);
@@ -143,7 +157,8 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   check_gemm_dtype(x_in, op);
   TORCH_CHECK(w1.is_contiguous() && permuted_to_expanded.is_contiguous() && expert_offsets.is_contiguous(), op,
               ": w1, permuted_to_expanded and expert_offsets must be contiguous");
-  TORCH_CHECK(x_in.size(1) % 8 == 0, op, ": CUDA kernels need hidden % 8 == 0 (16-byte rows), got ", x_in.size(1));
+  TORCH_CHECK(x_in.size(1) * x_in.element_size() % 16 == 0, op, ": CUDA kernels need 16-byte rows (hidden % ",
+              16 / x_in.element_size(), " == 0), got hidden=", x_in.size(1));
   TORCH_CHECK(top_k <= INT32_MAX, op, ": top_k must fit in int32");
   c10::cuda::CUDAGuard guard(x_in.device());
   select_kernel_arch(x_in.get_device(), op);
@@ -158,54 +173,109 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
               workspace.device());
   TORCH_CHECK(aligned16(x) && aligned16(out), op, ": x and out must be 16-byte aligned");
   auto gathered = workspace.narrow(0, 0, layout.gathered_bytes).view(x.scalar_type()).view({s.rows, x.size(1)});
-  auto h = workspace.narrow(0, layout.h_offset, layout.h_bytes).view(x.scalar_type()).view({s.rows, 2 * s.intermediate});
+  const auto h_dtype = moe_gemm_out_dtype(x);
+  auto h = workspace.narrow(0, layout.h_offset, layout.h_bytes).view(h_dtype).view({s.rows, 2 * s.intermediate});
   auto gemm_workspace = workspace.narrow(0, layout.gemm_offset, layout.gemm_bytes);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device());
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
   sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
                         static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
-  const auto shape = check_fwd(gathered, w1, expert_offsets, op);
+  const auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
+  at::Tensor w1_scale_contiguous;
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
-                        /*zero_tail=*/false, tactic, &gemm_workspace);
+                        /*zero_tail=*/false, tactic, &gemm_workspace, gemm_scales(x_scale, w1_scale, w1_scale_contiguous));
   sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, expert_offsets.data_ptr<int32_t>(),
                    static_cast<int>(w1.size(0)), clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr,
-                   out.data_ptr(), x.scalar_type() == at::kBFloat16, stream, enable_pdl);
+                   out.data_ptr(), h_dtype == at::kBFloat16, stream, enable_pdl);
 }
 
 at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                                  const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
-                                 const c10::optional<at::Tensor>& clamp_limits, int64_t tactic) {
+                                 const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
+                                 const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
-  auto out = at::empty({s.rows, s.intermediate}, x.options());
-  gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out,
-             at::empty({0}, x.options().dtype(at::kByte)), op);
+  auto out = at::empty({s.rows, s.intermediate}, x.options().dtype(moe_gemm_out_dtype(x)));
+  gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
+             s, out, at::empty({0}, x.options().dtype(at::kByte)), op);
   return out;
 }
 
 void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                                const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
-                               bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic) {
+                               bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
+                               const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale) {
   const char* op = "cake::moe_gemm1_swiglu_out";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
-  check_out(out, {s.rows, s.intermediate}, x.scalar_type(), x, op);
-  gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, s, out, workspace,
-             op);
+  check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
+  gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
+             s, out, workspace, op);
+}
+
+// GEMM2 into `out`. Rows past the last expert's end stay unwritten (the schema's contract): no
+// route reads them.
+void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
+                const GroupedGemmShape& shape, at::Tensor& out, at::Tensor* workspace, bool enable_pdl,
+                int64_t tactic, const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale,
+                const char* op) {
+  check_gemm_dtype(intermediate, op);
+  check_moe_gemm_scales(intermediate, a_scale, w2_scale, w2.size(0), "intermediate", op);
+  c10::cuda::CUDAGuard guard(intermediate.device());
+  at::Tensor w2_scale_contiguous;
+  run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, intermediate, w2, expert_offsets, out, op, enable_pdl,
+                        /*zero_tail=*/false, tactic, workspace, gemm_scales(a_scale, w2_scale, w2_scale_contiguous));
 }
 
 at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
-                          bool enable_pdl, int64_t tactic) {
+                          bool enable_pdl, int64_t tactic, const c10::optional<at::Tensor>& a_scale,
+                          const c10::optional<at::Tensor>& w2_scale) {
   const char* op = "cake::moe_gemm2";
-  const auto shape = check_fwd(intermediate, w2, expert_offsets, op);
-  check_gemm_dtype(intermediate, op);
-  c10::cuda::CUDAGuard guard(intermediate.device());
-  auto out = at::empty({shape.sum_m, shape.n}, intermediate.options());
-  // Rows past the last expert's end stay unwritten (the schema's contract): no route reads them.
-  run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, intermediate, w2, expert_offsets, out, op, enable_pdl,
-                        /*zero_tail=*/false, tactic);
+  const auto shape = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  auto out = at::empty({shape.sum_m, shape.n}, intermediate.options().dtype(moe_gemm_out_dtype(intermediate)));
+  gemm2_into(intermediate, w2, expert_offsets, shape, out, nullptr, enable_pdl, tactic, a_scale, w2_scale, op);
   return out;
+}
+
+void moe_gemm2_out_cuda(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
+                        at::Tensor out, at::Tensor workspace, bool enable_pdl, int64_t tactic,
+                        const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale) {
+  const char* op = "cake::moe_gemm2_out";
+  const auto shape = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  check_out(out, {shape.sum_m, shape.n}, moe_gemm_out_dtype(intermediate), intermediate, op);
+  check_moe_gemm2_workspace(workspace, shape.num_groups, intermediate, op);
+  gemm2_into(intermediate, w2, expert_offsets, shape, out, workspace.numel() == 0 ? nullptr : &workspace, enable_pdl,
+             tactic, a_scale, w2_scale, op);
+}
+
+void quantize_into(const at::Tensor& x_in, const c10::optional<at::Tensor>& scale, at::Tensor& out,
+                   at::Tensor& scale_out, const char* op) {
+  TORCH_CHECK(aligned16(out), op, ": out must be 16-byte aligned");
+  c10::cuda::CUDAGuard guard(x_in.device());
+  select_kernel_arch(x_in.get_device(), op);
+  auto x = x_in.contiguous();
+  if (!aligned16(x)) x = x.clone();  // a storage offset: the kernels read 16-byte vectors
+  sm90::fp8_quantize(x.data_ptr(), float_type(x), x.numel(), scale ? scale->data_ptr<float>() : nullptr,
+                     out.data_ptr(), scale_out.data_ptr<float>(), at::cuda::getCurrentCUDAStream(x.get_device()),
+                     /*pdl=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& scale) {
+  const char* op = "cake::quantize_fp8";
+  check_quantize_fp8(x, scale, op);
+  auto out = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  auto scale_out = at::empty({1}, x.options().dtype(at::kFloat));
+  quantize_into(x, scale, out, scale_out, op);
+  return {out, scale_out};
+}
+
+void quantize_fp8_out_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& scale, at::Tensor out,
+                           at::Tensor scale_out) {
+  const char* op = "cake::quantize_fp8_out";
+  check_quantize_fp8(x, scale, op);
+  check_quantize_fp8_out(x, out, scale_out, op);
+  quantize_into(x, scale, out, scale_out, op);
 }
 
 void finalize_into(const at::Tensor& rows_in, const at::Tensor& expanded_to_permuted_in, const at::Tensor& scales_in,
@@ -252,6 +322,9 @@ TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   m.impl("moe_gemm1_swiglu_out", &moe_gemm1_swiglu_out_cuda);
   m.impl("moe_gemm1_swiglu", &moe_gemm1_swiglu_cuda);
   m.impl("moe_gemm2", &moe_gemm2_cuda);
+  m.impl("moe_gemm2_out", &moe_gemm2_out_cuda);
+  m.impl("quantize_fp8", &quantize_fp8_cuda);
+  m.impl("quantize_fp8_out", &quantize_fp8_out_cuda);
   m.impl("moe_finalize", &moe_finalize_cuda);
   m.impl("moe_finalize_out", &moe_finalize_out_cuda);
 }

@@ -43,13 +43,21 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
                 const float* limits, void* out, bool is_bf16, cudaStream_t stream, bool pdl);
 
+// The float element types the routing and quantization kernels read.
+enum class FloatType { kFloat, kBFloat16, kHalf };
+
 // Renormalize routing: for each token, the top_k largest of logits[t, 0:E] (ties to the lower
 // id, NaN as -inf) and the softmax over those k in float32.
 constexpr int kMoeRoutingMaxExperts = 1024;
 constexpr int kMoeRoutingMaxTopK = 32;
-enum class LogitType { kFloat, kBFloat16, kHalf };
-void moe_topk_softmax(const void* logits, LogitType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,
+void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,
                       float* weights, cudaStream_t stream, bool pdl);
+
+// Per-tensor fp8: out[i] = e4m3(clamp(x[i] / s, -448, 448)) (x: n elements, 16-byte aligned; out
+// 16-byte aligned), s = *scale, or with scale null the dynamic max(amax(|x|), 1e-12) / 448
+// computed on the device; *scale_out = s.
+void fp8_quantize(const void* x, FloatType type, int64_t n, const float* scale, void* out, float* scale_out,
+                  cudaStream_t stream, bool pdl);
 
 // out[t] = sum_j scales[t, j] * rows[expanded_to_permuted[t * top_k + j]] over kept routes, in
 // fp32 in route order (bitwise reproducible), rounded once. A route index outside

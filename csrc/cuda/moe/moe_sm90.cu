@@ -1,9 +1,11 @@
 // The MoE routing and data-movement kernels around the grouped GEMMs: the token sort, the row
-// gather of GEMM1's operand, the SwiGLU of GEMM1's output and the deterministic combine. All
+// gather of GEMM1's operand, the SwiGLU of GEMM1's output, the deterministic combine and the fp8
+// family's per-tensor quantization. All
 // read sizes that depend on the routing from the device (no host synchronisation) and wait for
 // their predecessor with PDL (pdl.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cassert>
 #include <climits>
@@ -364,9 +366,9 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
 constexpr int kRoutingWarps = 4;  // one warp per token
 constexpr int kRoutingPerLane = kMoeRoutingMaxExperts / 32;
 
-__device__ __forceinline__ float logit_at(const float* p) { return *p; }
-__device__ __forceinline__ float logit_at(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float logit_at(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ float load_float(const float* p) { return *p; }
+__device__ __forceinline__ float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
 
 // (value, id) a beats (value, id) b: larger value, then lower id.
 __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
@@ -388,7 +390,7 @@ __global__ void __launch_bounds__(32 * kRoutingWarps)
 #pragma unroll
   for (int i = 0; i < kRoutingPerLane; ++i) {
     const int e = lane + 32 * i;
-    float x = e < num_experts ? logit_at(logits + t * num_experts + e) : -INFINITY;
+    float x = e < num_experts ? load_float(logits + t * num_experts + e) : -INFINITY;
     if (isnan(x)) x = -INFINITY;
     v[i] = x;
     id[i] = e < num_experts ? e : INT_MAX;
@@ -483,6 +485,99 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   }
 }
 
+// ---- fp8 per-tensor quantization ----------------------------------------------------------------
+// Grid-stride passes over 16-byte vectors of x (then the last few elements one by one). A dynamic
+// scale takes three kernels: the amax (atomicMax on the bits of |x|: for non-negative floats the
+// unsigned order is the float order and NaN sorts above every number, so NaN propagates), the
+// quantization, which derives the scale from that amax, and the amax's replacement by the scale.
+constexpr int kQuantThreads = 256;
+constexpr int kQuantMaxBlocks = 1024;
+template <class T>
+constexpr int kQuantVec = 16 / sizeof(T);
+
+// The CPU implementation's max(amax, kFp8MinAmax) / 448, NaN kept.
+__device__ __forceinline__ float amax_to_scale(float amax) {
+  return isnan(amax) ? amax : __fdiv_rn(fmaxf(amax, kFp8MinAmax), kE4m3Max);
+}
+
+__device__ __forceinline__ __nv_fp8_storage_t quantize_e4m3(float v, float scale) {
+  float q = __fdiv_rn(v, scale);
+  if (!isnan(q)) q = fminf(fmaxf(q, -kE4m3Max), kE4m3Max);
+  return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kQuantThreads) fp8_amax_kernel(const T* x, int64_t n, unsigned* amax_bits) {
+  pdl_wait();
+  pdl_launch_dependents();
+  constexpr int V = kQuantVec<T>;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t vecs = n / V;
+  unsigned m = 0;
+  for (int64_t i = first; i < vecs; i += stride) {
+    const uint4 v = reinterpret_cast<const uint4*>(x)[i];
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int j = 0; j < V; ++j) m = max(m, __float_as_uint(fabsf(load_float(e + j))));
+  }
+  for (int64_t i = vecs * V + first; i < n; i += stride) m = max(m, __float_as_uint(fabsf(load_float(x + i))));
+  m = __reduce_max_sync(0xffffffffu, m);
+  if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(amax_bits, m);
+}
+
+// kDynamic: `scale` holds the amax of x (fp8_amax_kernel) and scale_out is written afterwards
+// (fp8_scale_from_amax_kernel); else scale_out gets a copy of `scale`.
+template <class T, bool kDynamic>
+__global__ void __launch_bounds__(kQuantThreads)
+    fp8_quantize_kernel(const T* x, int64_t n, const float* scale_in, __nv_fp8_storage_t* out, float* scale_out) {
+  pdl_wait();
+  pdl_launch_dependents();
+  constexpr int V = kQuantVec<T>;
+  struct alignas(V) Bytes {
+    __nv_fp8_storage_t b[V];
+  };
+  const float scale = kDynamic ? amax_to_scale(*scale_in) : *scale_in;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (!kDynamic && first == 0) *scale_out = scale;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t vecs = n / V;
+  for (int64_t i = first; i < vecs; i += stride) {
+    const uint4 v = reinterpret_cast<const uint4*>(x)[i];
+    const T* e = reinterpret_cast<const T*>(&v);
+    Bytes q;
+#pragma unroll
+    for (int j = 0; j < V; ++j) q.b[j] = quantize_e4m3(load_float(e + j), scale);
+    reinterpret_cast<Bytes*>(out)[i] = q;
+  }
+  for (int64_t i = vecs * V + first; i < n; i += stride) out[i] = quantize_e4m3(load_float(x + i), scale);
+}
+
+__global__ void fp8_scale_from_amax_kernel(float* scale) {
+  pdl_wait();
+  pdl_launch_dependents();
+  *scale = amax_to_scale(*scale);
+}
+
+template <class T>
+void launch_fp8_quantize(const T* x, int64_t n, const float* scale, __nv_fp8_storage_t* out, float* scale_out,
+                         cudaStream_t stream, bool pdl) {
+  const int64_t per_block = int64_t(kQuantThreads) * kQuantVec<T>;
+  const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kQuantMaxBlocks)));
+  if (scale != nullptr) {
+    launch_kernel(fp8_quantize_kernel<T, false>, grid, dim3(kQuantThreads), 0, stream, pdl, x, n, scale, out,
+                  scale_out);
+    return;
+  }
+  // The memset is no kernel: the amax kernel after it launches without PDL.
+  C10_CUDA_CHECK(cudaMemsetAsync(scale_out, 0, sizeof(float), stream));
+  launch_kernel(fp8_amax_kernel<T>, grid, dim3(kQuantThreads), 0, stream, false, x, n,
+                reinterpret_cast<unsigned*>(scale_out));
+  launch_kernel(fp8_quantize_kernel<T, true>, grid, dim3(kQuantThreads), 0, stream, pdl, x, n,
+                static_cast<const float*>(scale_out), out, scale_out);
+  launch_kernel(fp8_scale_from_amax_kernel, dim3(1), dim3(1), 0, stream, pdl, scale_out);
+}
+
 }  // namespace
 
 int64_t moe_sort_blocks(int64_t routes, int64_t num_local_experts) {
@@ -543,7 +638,7 @@ void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offse
                 inter_vecs, offsets, num_experts, limits, static_cast<uint4*>(out));
 }
 
-void moe_topk_softmax(const void* logits, LogitType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,
+void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,
                       float* weights, cudaStream_t stream, bool pdl) {
   TORCH_CHECK(num_experts <= kMoeRoutingMaxExperts && top_k <= kMoeRoutingMaxTopK, "cake::moe_routing: CUDA kernels "
               "take at most ", kMoeRoutingMaxExperts, " experts and top_k <= ", kMoeRoutingMaxTopK, ", got ",
@@ -552,15 +647,15 @@ void moe_topk_softmax(const void* logits, LogitType type, int64_t tokens, int nu
   const dim3 grid(static_cast<unsigned>((tokens + kRoutingWarps - 1) / kRoutingWarps));
   const dim3 block(32 * kRoutingWarps);
   switch (type) {
-    case LogitType::kFloat:
+    case FloatType::kFloat:
       launch_kernel(moe_topk_softmax_kernel<float>, grid, block, 0, stream, pdl, static_cast<const float*>(logits),
                     tokens, num_experts, top_k, ids, weights);
       break;
-    case LogitType::kBFloat16:
+    case FloatType::kBFloat16:
       launch_kernel(moe_topk_softmax_kernel<__nv_bfloat16>, grid, block, 0, stream, pdl,
                     static_cast<const __nv_bfloat16*>(logits), tokens, num_experts, top_k, ids, weights);
       break;
-    case LogitType::kHalf:
+    case FloatType::kHalf:
       launch_kernel(moe_topk_softmax_kernel<__half>, grid, block, 0, stream, pdl, static_cast<const __half*>(logits),
                     tokens, num_experts, top_k, ids, weights);
       break;
@@ -578,6 +673,22 @@ void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expa
   launch_kernel(kernel, dim3(static_cast<unsigned>(tokens)), dim3(kFinalizeThreads), 0, stream, pdl,
                 static_cast<const uint4*>(permuted_rows), hidden / 8, expanded_to_permuted, scales, top_k, num_rows,
                 static_cast<uint4*>(out));
+}
+
+void fp8_quantize(const void* x, FloatType type, int64_t n, const float* scale, void* out, float* scale_out,
+                  cudaStream_t stream, bool pdl) {
+  auto q = static_cast<__nv_fp8_storage_t*>(out);
+  switch (type) {
+    case FloatType::kFloat:
+      launch_fp8_quantize(static_cast<const float*>(x), n, scale, q, scale_out, stream, pdl);
+      break;
+    case FloatType::kBFloat16:
+      launch_fp8_quantize(static_cast<const __nv_bfloat16*>(x), n, scale, q, scale_out, stream, pdl);
+      break;
+    case FloatType::kHalf:
+      launch_fp8_quantize(static_cast<const __half*>(x), n, scale, q, scale_out, stream, pdl);
+      break;
+  }
 }
 
 }  // namespace cake::sm90

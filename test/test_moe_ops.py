@@ -116,7 +116,7 @@ def test_cuda_stages_match_cpu_stages(case, dtype):
 def test_cuda_kernels_reject_what_they_cannot_run():
     x, ids, scales, w1, w2 = moe_problem(4, 2, 8, 8, 64, 32, "cuda", dtype=torch.float32)
     _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, 8, 8, 0, 64)
-    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu: CUDA kernels take bfloat16 or float16"):
+    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu: CUDA kernels take bfloat16, float16 or float8_e4m3fn"):
         torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 2)
     rows = torch.randn(8, 60, device="cuda").bfloat16()
     with pytest.raises(RuntimeError, match="cake::moe_finalize: CUDA kernels need hidden % 8 == 0"):

@@ -21,8 +21,8 @@ void check_cuda_operands(Op kind, const GroupedGemmShape& s, const at::Tensor& a
                          const at::Tensor& out, const char* op) {
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 ||
                   (kind == Op::kFwd && (a.scalar_type() == at::kHalf || a.scalar_type() == at::kFloat8_e4m3fn)),
-              op, ": CUDA kernels take bfloat16 operands (fwd also float16, and float8_e4m3fn for the MoE GEMMs), got ",
-              a.scalar_type(), " (the CPU implementation also takes float16, float32 and float64)");
+              op, ": CUDA kernels take bfloat16 operands (fwd also float16), got ", a.scalar_type(),
+              " (the CPU implementation also takes float16, float32 and float64)");  // e4m3: MoE GEMMs only
   TORCH_CHECK(a.scalar_type() != at::kFloat8_e4m3fn || out.scalar_type() == at::kBFloat16, op,
               ": float8_e4m3fn operands give a bfloat16 output, got ", out.scalar_type(), " (internal error)");
   TORCH_CHECK(s.n % 8 == 0 && s.k % 8 == 0, op,

@@ -1,0 +1,47 @@
+"""Where the time of one stepfun_moe forward goes, per family: per-kernel GPU times under CUDA-graph
+replay (torch.profiler) in launch order, the replay time and the weight floor (bytes of the experts
+touched, at the family's width, / 4.8 TB/s). A diagnostic next to bench_stepfun_moe.py.
+
+    python benchmarks/profile_stepfun_moe.py --shapes issue_geometry --families bf16,fp8 --tokens 8,2048
+"""
+import argparse
+import warnings
+
+import torch
+
+import cake_ops
+from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES
+from cake_ops import stepfun_moe as sm
+from profile_fused_moe import kernels_in_order
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="issue_geometry")
+    p.add_argument("--families", default="bf16,fp8")
+    p.add_argument("--tokens", default="8,2048")
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args()
+    warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
+    for name in args.shapes.split(","):
+        e, k, h, inter = SHAPES[name]
+        w1 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
+        w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
+        for family in args.families.split(","):
+            weights = sm.prepare_weights(w1, w2, LIMIT, family=family)
+            for t in map(int, args.tokens.split(",")):
+                x = (AMPLITUDE * torch.randn(t, h, device="cuda")).bfloat16()
+                logits = torch.randn(t, e, device="cuda")
+                launch = sm.prepare_stepfun_moe(x, weights, logits, top_k=k)
+                kernels, us = kernels_in_order(launch.launch, args.iters)
+                touched = torch.topk(logits, k, dim=-1).indices.unique().numel()
+                floor_us = touched * 3 * h * inter * weights.w1.element_size() / 4.8e12 * 1e6
+                tflops = 2 * t * k * 3 * h * inter / us / 1e6
+                print(f"{name} {family} T={t}: {us:8.1f} us per replay, weight floor {floor_us:6.1f} us "
+                      f"(x{us / floor_us:.2f}), {tflops:6.1f} TFLOP/s; kernels in launch order (us):")
+                for kname, kus in kernels:
+                    print(f"    {kus:8.1f}  {kname}")
+
+
+if __name__ == "__main__":
+    main()

@@ -52,6 +52,18 @@ struct Pingpong {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
+// e4m3 inputs: the fp8 wgmma accumulates into the fp32 accumulators directly ("fast
+// accumulation"). The alternative, promoting a second register set into fp32 every few k-blocks,
+// measured 1.46x slower than bf16 on the H200 (benchmarks/NOTES.md); per-tensor scaled inference
+// GEMMs (TensorRT-LLM, vLLM) run fast accumulation too.
+struct CooperativeFp8 {
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct PingpongFp8 {
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
 
 // CUTLASS's SM90 ptr-array kernels do not wait for their predecessor themselves, so a launch
 // with PDL (GroupedGemmParams::pdl) would race with the prologue that writes their arguments:

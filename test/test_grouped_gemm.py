@@ -347,6 +347,10 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
     ("fwd", 4, 112576, 6144, 2048, "fwd_bf16_ping_128x128x64_c1x1_rasterN"),      # w[e] fits in L2
     ("fwd_f16", 128, 128, 1536, 2048, "fwd_f16_swapab_coop_128x32x128_c1x1"),     # float16: same rules
     ("fwd_f16", 4, 112576, 4096, 6144, "fwd_f16_coop_128x256x64_c1x2_rasterN_swz4"),
+    ("fwd_e4m3", 64, 512, 3072, 4096, "fwd_e4m3_swapab_coop_128x32x256_c1x1"),     # fp8: StepFun decode
+    ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),  # 256 rows / expert
+    ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),
+    ("fwd_e4m3", 64, 16384, 4352, 1536, "fwd_e4m3_coop_128x256x128_c2x1"),         # 17 N tiles
     ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_coop_128x256x64_c1x2_rasterN_swz4"),
     ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1"),          # 3 N tiles
     ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4"),

@@ -83,9 +83,14 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
       switch (fam) {
         case TacticFamily::kFwdBf16:
         case TacticFamily::kFwdF16:
-        case TacticFamily::kFwdE4m3:
           c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("ping_128x128x" + k64 + "_c1x1_swz4"), coop_1x2,
                   coop_2x1, named("ping_128x128x" + k64 + "_c1x1_rasterN")};
+          break;
+        case TacticFamily::kFwdE4m3:
+          // From the H200 sweep of the StepFun shapes (sweep_moe_gemm.py, NOTES.md): from 256 rows per
+          // expert up, 128x256 cooperative with the 1x2 cluster leads (837-966 TFLOP/s, 8-18% over
+          // 128x128 pingpong); no medium-group or weight-in-L2 rule measured for fp8.
+          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), -1, coop_1x2, coop_2x1, -1};
           break;
         case TacticFamily::kDgradBf16:
           c[f] = {named("ping_64x256x64_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1, -1};

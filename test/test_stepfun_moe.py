@@ -490,6 +490,19 @@ class TestUnifiedApi(expecttest.TestCase):
                    for w in caught) == 1
         assert torch.equal(out, sm.stepfun_moe(self.x, weights, self.logits, top_k=4))
 
+    def test_fp8_family(self):
+        config = moe.MoEConfig(num_experts=16, top_k=4, hidden_size=64, intermediate_size=32,
+                               activation=moe.SwiGLUStep(limit=7.0),
+                               backend=moe.CakeStepFunConfig(backend="cake_stepfun", family="fp8"))
+        weights = config.prepare_weights(self.w1, self.w2, fc2_input_scale=49 / 448)
+        assert weights.family == "fp8" and weights.w1.dtype == torch.float8_e4m3fn
+        assert float(weights.fc2_input_scale) == pytest.approx(49 / 448) and weights.fc1_input_scale is None
+        out = moe.moe_forward(config, weights, self.x, self.logits)
+        assert torch.equal(out, sm.stepfun_moe(self.x, weights, self.logits, top_k=4))
+        x_q, x_scale = torch.ops.cake.quantize_fp8(self.x)
+        assert torch.equal(moe.moe_forward(config, weights, x_q, self.logits, hidden_states_scale=x_scale), out)
+        self.assertExpectedInline(self.message(ValueError, moe.moe_forward, self.config, weights, self.x, self.logits), """moe_forward: the weights (fp8, 16 experts) do not match the config (bf16, 16 experts)""")
+
     def test_unpacked_precomputed(self):
         config = moe.MoEConfig(num_experts=16, top_k=4, hidden_size=64, intermediate_size=32,
                                routing_input_mode=moe.RoutingInputMode.UnpackedPrecomputed)

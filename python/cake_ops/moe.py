@@ -50,7 +50,7 @@ class SwiGLUStep:
 
 @dataclasses.dataclass(frozen=True)
 class CakeStepFunConfig:
-    """The cake_stepfun backend and its weight family (``bf16`` today)."""
+    """The cake_stepfun backend and its weight family (``bf16`` or ``fp8`` in this build)."""
     backend: str = "cake_stepfun"
     family: str = "bf16"
 
@@ -62,10 +62,12 @@ class CakeStepFunConfig:
 
     def prepare_weights(self, w1_gate_up: torch.Tensor, w2: torch.Tensor,
                         gemm1_clamp_limit: Union[float, Sequence[float], torch.Tensor], *,
-                        num_experts: Optional[int] = None, local_expert_offset: int = 0) -> _stepfun.StepFunWeights:
-        """The ``cake_stepfun`` view (see :func:`cake_ops.stepfun_moe.prepare_weights`)."""
+                        num_experts: Optional[int] = None, local_expert_offset: int = 0,
+                        **scales) -> _stepfun.StepFunWeights:
+        """The ``cake_stepfun`` view (see :func:`cake_ops.stepfun_moe.prepare_weights`; ``scales``: the
+        fp8 family's ``w1_scale``, ``w2_scale``, ``fc1_input_scale``, ``fc2_input_scale``)."""
         return _stepfun.prepare_weights(w1_gate_up, w2, gemm1_clamp_limit, family=self.family,
-                                        num_experts=num_experts, local_expert_offset=local_expert_offset)
+                                        num_experts=num_experts, local_expert_offset=local_expert_offset, **scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,15 +110,15 @@ class MoEConfig:
         return self.num_experts if self.num_local_experts is None else self.num_local_experts
 
     def prepare_weights(self, w1_gate_up: torch.Tensor, w2: torch.Tensor,
-                        gemm1_clamp_limit: Union[None, float, Sequence[float], torch.Tensor] = None):
+                        gemm1_clamp_limit: Union[None, float, Sequence[float], torch.Tensor] = None, **scales):
         """The backend's weight view for this config's shard; the clamp limit defaults to the
-        activation's (the same for every expert)."""
+        activation's (the same for every expert); ``scales`` go to the backend (fp8)."""
         expected = [self.experts_here, 2 * self.intermediate_size, self.hidden_size]
         if list(w1_gate_up.shape) != expected:
             raise ValueError(f"MoEConfig.prepare_weights: w1_gate_up must be {expected}, got {list(w1_gate_up.shape)}")
         limit = self.activation.limit if gemm1_clamp_limit is None else gemm1_clamp_limit
         return self.backend.prepare_weights(w1_gate_up, w2, limit, num_experts=self.num_experts,
-                                            local_expert_offset=self.local_expert_offset)
+                                            local_expert_offset=self.local_expert_offset, **scales)
 
 
 def _full_path() -> None:
@@ -130,10 +132,11 @@ def _full_path() -> None:
 
 def moe_forward(config: MoEConfig, weights, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
                 *, topk_ids: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                do_finalize: bool = True, enable_pdl: bool = True):
+                do_finalize: bool = True, enable_pdl: bool = True, hidden_states_scale: Optional[torch.Tensor] = None):
     """One MoE forward on ``config``'s backend. ``router_logits [T, E]`` for
     ``RoutingInputMode.FromLogits``; ``topk_ids``/``topk_weights [T, top_k]`` for
-    ``UnpackedPrecomputed``. ``weights`` must be the view of ``config.prepare_weights``."""
+    ``UnpackedPrecomputed``. ``weights`` must be the view of ``config.prepare_weights``;
+    ``hidden_states_scale`` goes with fp8 (e4m3) hidden states."""
     warn_experimental("the cake_stepfun MoE backend")
     _full_path()
     if not isinstance(weights, _stepfun.StepFunWeights) or weights.view != "cake_stepfun":
@@ -148,4 +151,5 @@ def moe_forward(config: MoEConfig, weights, hidden_states: torch.Tensor, router_
     if not from_logits and (router_logits is not None or topk_ids is None or topk_weights is None):
         raise ValueError("moe_forward: RoutingInputMode.UnpackedPrecomputed takes topk_ids and topk_weights only")
     return _stepfun.stepfun_moe(hidden_states, weights, router_logits, topk_ids=topk_ids, topk_weights=topk_weights,
-                                top_k=config.top_k, do_finalize=do_finalize, enable_pdl=enable_pdl)
+                                top_k=config.top_k, do_finalize=do_finalize, enable_pdl=enable_pdl,
+                                hidden_states_scale=hidden_states_scale)

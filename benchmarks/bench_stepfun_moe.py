@@ -34,6 +34,12 @@ LIMIT = 7.0
 AMPLITUDE = 12.0
 
 
+def random_weights(e, h, inter, device):
+    """Gate-first w1 [E, 2I, H] and w2 [E, H, I] in bf16, unit-variance outputs."""
+    w1 = (torch.randn(e, 2 * inter, h, device=device) / h**0.5).bfloat16()
+    return w1, (torch.randn(e, h, inter, device=device) / inter**0.5).bfloat16()
+
+
 def torch_stepfun(x, logits, w1_gate_up, w2, k, limit):
     """The plain PyTorch pipeline a user writes with torch._grouped_mm (gate-first w1)."""
     t, e = logits.shape
@@ -60,8 +66,7 @@ def run(args):
     bf16_graph_ms = {}
     for name in names:
         e, k, h, inter = {**SHAPES, **CPU_SHAPES}[name]
-        w1 = (torch.randn(e, 2 * inter, h, device=device) / h**0.5).bfloat16()
-        w2 = (torch.randn(e, h, inter, device=device) / inter**0.5).bfloat16()
+        w1, w2 = random_weights(e, h, inter, device)
         rate = dense_rate(timer, min(16384, max(tokens) * k), h, inter, device)
         for family in args.families.split(","):
             try:

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 import cake_ops
-from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES
+from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES, random_weights
 from cake_ops import stepfun_moe as sm
 from profile_fused_moe import kernels_in_order
 
@@ -25,8 +25,7 @@ def main():
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     for name in args.shapes.split(","):
         e, k, h, inter = SHAPES[name]
-        w1 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
-        w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
+        w1, w2 = random_weights(e, h, inter, "cuda")
         for family in args.families.split(","):
             weights = sm.prepare_weights(w1, w2, LIMIT, family=family)
             for t in map(int, args.tokens.split(",")):

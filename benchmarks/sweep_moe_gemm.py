@@ -11,7 +11,7 @@ import torch
 
 import cake_ops
 from bench_grouped_gemm import Timer
-from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES
+from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES, random_weights
 from cake_ops import stepfun_moe as sm
 
 TACTIC_FAMILY = {"bf16": "fwd", "fp8": "fwd_e4m3"}
@@ -28,8 +28,7 @@ def main():
     timer = Timer("cuda", args.reps, 2)
     for name in args.shapes.split(","):
         e, k, h, inter = SHAPES[name]
-        w1 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
-        w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
+        w1, w2 = random_weights(e, h, inter, "cuda")
         for family in args.families.split(","):
             weights = sm.prepare_weights(w1, w2, LIMIT, family=family)
             tactics = cake_ops._C.grouped_gemm_tactics(TACTIC_FAMILY[family])

@@ -89,14 +89,18 @@ MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t inte
   return w;
 }
 
-void check_moe_gemm2_workspace(const at::Tensor& workspace, int64_t num_local_experts, const at::Tensor& like,
-                               const char* op) {
-  const int64_t need = grouped_gemm_workspace_bytes(num_local_experts);
+GroupedGemmShape check_moe_gemm2_out(const at::Tensor& intermediate, const at::Tensor& w2,
+                                     const at::Tensor& expert_offsets, const at::Tensor& out,
+                                     const at::Tensor& workspace, const char* op) {
+  const auto s = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  check_out(out, {s.sum_m, s.n}, moe_gemm_out_dtype(intermediate), intermediate, op);
+  const int64_t need = grouped_gemm_workspace_bytes(s.num_groups);
   TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
-                  (workspace.numel() == 0 || (workspace.numel() >= need && workspace.device() == like.device())),
-              op, ": workspace must be a contiguous uint8 tensor of at least ", need, " bytes on ", like.device(),
-              " (cake_ops._C.grouped_gemm_workspace_size), or empty, got ", workspace.scalar_type(), " ",
-              workspace.sizes(), " on ", workspace.device());
+                  (workspace.numel() == 0 || (workspace.numel() >= need && workspace.device() == intermediate.device())),
+              op, ": workspace must be a contiguous uint8 tensor of at least ", need, " bytes on ",
+              intermediate.device(), " (cake_ops._C.grouped_gemm_workspace_size), or empty, got ",
+              workspace.scalar_type(), " ", workspace.sizes(), " on ", workspace.device());
+  return s;
 }
 
 bool check_moe_gemm_scales(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,

@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "grouped_gemm_checks.h"
+
 namespace cake {
 
 // Workspace of moe_routing_out: the multi-block sort's per-(block, expert) rows, int32. A block
@@ -76,10 +78,12 @@ void check_moe_routing_out(int64_t tokens, int64_t top_k, int64_t num_local_expe
                            const at::Tensor& tile_offsets, const at::Tensor& workspace, const at::Tensor& like,
                            const char* op);
 
-// moe_gemm2_out's workspace: uint8, grouped_gemm_workspace_bytes(E_local) bytes or empty (the op
-// allocates one), on like's device.
-void check_moe_gemm2_workspace(const at::Tensor& workspace, int64_t num_local_experts, const at::Tensor& like,
-                               const char* op);
+// moe_gemm2_out's operands (check_fwd, e4m3 allowed), its out ([T * top_k, H], the GEMM's output
+// dtype) and its workspace (uint8, grouped_gemm_workspace_bytes(E_local) bytes, or empty: the op
+// allocates one). Returns the GEMM's shape.
+GroupedGemmShape check_moe_gemm2_out(const at::Tensor& intermediate, const at::Tensor& w2,
+                                     const at::Tensor& expert_offsets, const at::Tensor& out,
+                                     const at::Tensor& workspace, const char* op);
 
 // The fp8 scales of a MoE GEMM over activations `a`: float8_e4m3fn activations and weights need
 // a_scale (float32, one element) and w_scale (float32 [E_local]) on a's device; 16-bit ones take

@@ -183,9 +183,7 @@ void moe_gemm2_out(const at::Tensor& intermediate, const at::Tensor& w2, const a
                    at::Tensor out, at::Tensor workspace, bool enable_pdl, int64_t tactic,
                    const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale) {
   const char* op = "cake::moe_gemm2_out";
-  const auto s = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
-  check_out(out, {s.sum_m, s.n}, moe_gemm_out_dtype(intermediate), intermediate, op);
-  check_moe_gemm2_workspace(workspace, s.num_groups, intermediate, op);
+  check_moe_gemm2_out(intermediate, w2, expert_offsets, out, workspace, op);
   out.copy_(moe_gemm2(intermediate, w2, expert_offsets, enable_pdl, tactic, a_scale, w2_scale));
 }
 

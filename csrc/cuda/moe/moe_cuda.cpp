@@ -242,9 +242,7 @@ void moe_gemm2_out_cuda(const at::Tensor& intermediate, const at::Tensor& w2, co
                         at::Tensor out, at::Tensor workspace, bool enable_pdl, int64_t tactic,
                         const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale) {
   const char* op = "cake::moe_gemm2_out";
-  const auto shape = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
-  check_out(out, {shape.sum_m, shape.n}, moe_gemm_out_dtype(intermediate), intermediate, op);
-  check_moe_gemm2_workspace(workspace, shape.num_groups, intermediate, op);
+  const auto shape = check_moe_gemm2_out(intermediate, w2, expert_offsets, out, workspace, op);
   gemm2_into(intermediate, w2, expert_offsets, shape, out, workspace.numel() == 0 ? nullptr : &workspace, enable_pdl,
              tactic, a_scale, w2_scale, op);
 }

@@ -50,10 +50,10 @@ from . import _C
 from ._experimental import warn_experimental
 from .fused_moe import default_tile_size, interleave_up_gate_sm90
 
-__all__ = ["FAMILIES", "Plan", "QuantizedActivations", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch", "StepFunWeights",
-           "default_plan", "empty_routing_output", "fc1", "fc2", "finalize", "plans_for", "prepare_fc1", "prepare_fc2",
-           "prepare_finalize", "prepare_requant", "prepare_routing", "prepare_stepfun_moe", "prepare_weights",
-           "requant", "routing", "stepfun_moe"]
+__all__ = ["FAMILIES", "Plan", "QuantizedActivations", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch",
+           "StepFunWeights", "default_plan", "empty_routing_output", "fc1", "fc2", "finalize", "plans_for",
+           "prepare_fc1", "prepare_fc2", "prepare_finalize", "prepare_requant", "prepare_routing",
+           "prepare_stepfun_moe", "prepare_weights", "requant", "routing", "stepfun_moe"]
 
 _FEATURE = "cake_ops.stepfun_moe"
 FAMILIES = ("bf16", "fp8", "nvfp4", "nvfp4_bf16tok", "mxfp8")

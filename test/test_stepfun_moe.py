@@ -181,6 +181,38 @@ def test_fp8_pipeline_matches_float32_reference_with_the_clamp_biting(device, li
         assert float((plain - expected).norm() / expected.norm()) > 2 * err, t
 
 
+def test_fp8_stages_match_float32_reference(device):
+    """fc1, requant and fc2 one by one, in permuted row order, against float32 on the same
+    quantized operands."""
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, 64, hidden, inter, e, k)
+    lim = limits_for("mixed", e).to(device)
+    weights = sm.prepare_weights(w1, w2, lim, family="fp8")
+    routed = sm.routing(logits, top_k=k, num_experts=e)
+    kept = int(routed.expert_offsets[-1])
+    tokens = routed.permuted_idx_to_expanded_idx[:kept].long() // k
+    ends = routed.expert_offsets.tolist()
+    w1_dq, w2_dq = quantize_per_expert(w1)[0], quantize_per_expert(w2)[0]
+
+    def per_expert(rows, weight):  # rows[p] @ weight[e(p)].T in float32
+        return torch.cat([rows[ends[j]:ends[j + 1]] @ weight[j].T for j in range(e)])
+
+    def rel(got, want):
+        return float((got.float() - want).norm() / want.norm())
+    act = sm.fc1(x, weights, routed)
+    h = per_expert(reference.quantize_fp8(x)[0][tokens], w1_dq)
+    limit = torch.cat([lim[j].expand(ends[j + 1] - ends[j]) for j in range(e)])[:, None]
+    want = torch.nn.functional.silu(h[:, :inter]).clamp(max=limit) * torch.maximum(torch.minimum(h[:, inter:], limit),
+                                                                                  -limit)
+    assert act.dtype == torch.bfloat16 and rel(act[:kept], want) < 1e-2
+    q = sm.requant(act, weights)
+    want_scale = act.float().abs().max().clamp_min(1e-12).reshape(1) / 448
+    assert torch.equal(q.scale, want_scale)
+    assert torch.equal(q.values.view(torch.uint8), e4m3_reference(act, want_scale).view(torch.uint8))
+    rows = sm.fc2(q, weights, routed)
+    assert rows.dtype == torch.bfloat16 and rel(rows[:kept], per_expert(q.values.float() * q.scale, w2_dq)) < 1e-2
+
+
 def test_fp8_static_scales_and_e4m3_hidden_states(device):
     hidden, inter, e, k, _ = geometry(device)
     x, logits, w1, w2 = make(device, 64, hidden, inter, e, k)

@@ -156,9 +156,12 @@ void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, con
               limits.device());
 }
 
-int64_t check_moe_routing(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
-                          const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
-                          const char* op) {
+namespace {
+
+// check_moe_routing's inputs; returns the token count.
+int64_t check_routing_inputs(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
+                             const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                             const char* op) {
   const bool from_logits = logits.has_value();
   const bool precomputed = topk_ids.has_value() || topk_weights.has_value();
   TORCH_CHECK(from_logits != precomputed, op,
@@ -188,11 +191,26 @@ int64_t check_moe_routing(const c10::optional<at::Tensor>& logits, const c10::op
   return ids.size(0);
 }
 
-void check_moe_routing_out(int64_t tokens, int64_t top_k, int64_t num_local_experts, const at::Tensor& ids,
-                           const at::Tensor& weights, const at::Tensor& counts, const at::Tensor& offsets,
-                           const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
-                           const at::Tensor& tile_offsets, const at::Tensor& workspace, const at::Tensor& like,
-                           const char* op) {
+}  // namespace
+
+int64_t check_moe_routing(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
+                          const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                          int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size, const char* op) {
+  const int64_t tokens = check_routing_inputs(logits, topk_ids, topk_weights, top_k, num_experts, op);
+  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
+  return tokens;
+}
+
+void check_moe_routing_out(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
+                           const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                           int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size,
+                           const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& counts,
+                           const at::Tensor& offsets, const at::Tensor& permuted_to_expanded,
+                           const at::Tensor& expanded_to_permuted, const at::Tensor& tile_offsets,
+                           const at::Tensor& workspace, const char* op) {
+  const int64_t tokens = check_moe_routing(logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
+                                           local_expert_offset, tile_size, op);
+  const at::Tensor& like = logits ? *logits : *topk_ids;
   const struct {
     const at::Tensor& t;
     const char* name;

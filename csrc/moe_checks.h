@@ -63,20 +63,23 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
 // clamp_limits of SwiGLUStep: float32 [E_local] on `like`'s device.
 void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, const at::Tensor& like, const char* op);
 
-// moe_routing's inputs: exactly one of router_logits or (topk_ids and topk_weights). Returns the
-// token count.
+// moe_routing's arguments: exactly one of router_logits or (topk_ids and topk_weights), then the
+// shard (check_moe_shard). Returns the token count.
 int64_t check_moe_routing(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
                           const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
-                          const char* op);
+                          int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size, const char* op);
 
-// moe_routing_out's caller-owned outputs ([T, k] int32 ids, [T, k] float32 weights, [E_local]
-// counts, [E_local + 1] offsets, [T * k] permutations, [E_local + 1] tile offsets, all int32 but
-// the weights, contiguous, on `like`'s device) and its byte workspace.
-void check_moe_routing_out(int64_t tokens, int64_t top_k, int64_t num_local_experts, const at::Tensor& ids,
-                           const at::Tensor& weights, const at::Tensor& counts, const at::Tensor& offsets,
-                           const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
-                           const at::Tensor& tile_offsets, const at::Tensor& workspace, const at::Tensor& like,
-                           const char* op);
+// moe_routing_out's arguments: check_moe_routing's, then the caller-owned outputs ([T, k] int32 ids,
+// [T, k] float32 weights, [E_local] counts, [E_local + 1] offsets, [T * k] permutations, [E_local + 1]
+// tile offsets, all int32 but the weights, contiguous, on the routing input's device) and the byte
+// workspace.
+void check_moe_routing_out(const c10::optional<at::Tensor>& logits, const c10::optional<at::Tensor>& topk_ids,
+                           const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts,
+                           int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size,
+                           const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& counts,
+                           const at::Tensor& offsets, const at::Tensor& permuted_to_expanded,
+                           const at::Tensor& expanded_to_permuted, const at::Tensor& tile_offsets,
+                           const at::Tensor& workspace, const char* op);
 
 // moe_gemm2_out's operands (check_fwd, e4m3 allowed), its out ([T * top_k, H], the GEMM's output
 // dtype) and its workspace (uint8, grouped_gemm_workspace_bytes(E_local) bytes, or empty: the op

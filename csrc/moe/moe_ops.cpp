@@ -115,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
     const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
     int64_t local_expert_offset, int64_t tile_size) {
-  check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, "cake::moe_routing");
-  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, "cake::moe_routing");
+  check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts, local_expert_offset,
+                    tile_size, "cake::moe_routing");
   at::Tensor ids, weights;
   if (router_logits) {
     auto logits = router_logits->to(at::kFloat);
@@ -139,10 +139,9 @@ void moe_routing_out(const c10::optional<at::Tensor>& router_logits, const c10::
                      at::Tensor weights, at::Tensor counts, at::Tensor offsets, at::Tensor permuted_to_expanded,
                      at::Tensor expanded_to_permuted, at::Tensor tile_offsets, at::Tensor workspace) {
   const char* op = "cake::moe_routing_out";
-  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
-  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
-  check_moe_routing_out(tokens, top_k, num_local_experts, ids, weights, counts, offsets, permuted_to_expanded,
-                        expanded_to_permuted, tile_offsets, workspace, router_logits ? *router_logits : *topk_ids, op);
+  check_moe_routing_out(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
+                        local_expert_offset, tile_size, ids, weights, counts, offsets, permuted_to_expanded,
+                        expanded_to_permuted, tile_offsets, workspace, op);
   const auto r = moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
                              local_expert_offset, tile_size);
   ids.copy_(std::get<0>(r));

@@ -227,6 +227,14 @@ def prepare_weights(w1_gate_up: torch.Tensor, w2: torch.Tensor,
                           _scale_tensor(fn, "fc2_input_scale", fc2_input_scale, device))
 
 
+def _plan(fn: str, plan: Optional[Plan], weights: StepFunWeights, num_tokens: int, top_k: int) -> Plan:
+    """The given plan, checked against the weights' family, or the family's default plan."""
+    plan = plan or default_plan(weights.family, num_tokens, top_k, weights.num_local_experts, weights.intermediate)
+    if plan.family != weights.family:
+        _fail(fn, f"the plan is for the {plan.family!r} family, the weights are {weights.family!r}")
+    return plan
+
+
 def _check_weights(fn: str, weights) -> StepFunWeights:
     if not isinstance(weights, StepFunWeights) or weights.view != "cake_stepfun":
         _fail(fn, f"weights must be the cake_stepfun view from prepare_weights, got {type(weights).__name__}",
@@ -357,10 +365,7 @@ def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_log
     warn_experimental(_FEATURE)
     weights = _check_weights("stepfun_moe", weights)
     _check_hidden_states("stepfun_moe", hidden_states, weights, hidden_states_scale)
-    plan = plan or default_plan(weights.family, hidden_states.shape[0], top_k, weights.num_local_experts,
-                                weights.intermediate)
-    if plan.family != weights.family:
-        _fail("stepfun_moe", f"the plan is for the {plan.family!r} family, the weights are {weights.family!r}")
+    plan = _plan("stepfun_moe", plan, weights, hidden_states.shape[0], top_k)
     routed = routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
                      num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
                      local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
@@ -547,10 +552,7 @@ def prepare_stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights,
     if hidden_states.dim() != 2 or hidden_states.shape[1] != weights.hidden or not hidden_states.is_contiguous():
         _fail("prepare_stepfun_moe", f"hidden_states must be a contiguous [num_tokens, hidden={weights.hidden}] "
                                      f"tensor, got {list(hidden_states.shape)}")
-    plan = plan or default_plan(weights.family, hidden_states.shape[0], top_k, weights.num_local_experts,
-                                weights.intermediate)
-    if plan.family != weights.family:
-        _fail("prepare_stepfun_moe", f"the plan is for the {plan.family!r} family, the weights are {weights.family!r}")
+    plan = _plan("prepare_stepfun_moe", plan, weights, hidden_states.shape[0], top_k)
     routing_stage = prepare_routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
                                     num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
                                     local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)

@@ -115,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
     int64_t local_expert_offset, int64_t tile_size) {
   const char* op = "cake::moe_routing";
-  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
-  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
+  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts,
+                                           num_local_experts, local_expert_offset, tile_size, op);
   const auto& like = router_logits ? *router_logits : *topk_ids;
   RoutingOut o = sort_outputs(at::empty({tokens, top_k}, like.options().dtype(at::kInt)), num_local_experts);
   o.weights = at::empty({tokens, top_k}, like.options().dtype(at::kFloat));
@@ -131,12 +131,10 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
                           at::Tensor weights, at::Tensor counts, at::Tensor offsets, at::Tensor permuted_to_expanded,
                           at::Tensor expanded_to_permuted, at::Tensor tile_offsets, at::Tensor workspace) {
   const char* op = "cake::moe_routing_out";
-  const int64_t tokens = check_moe_routing(router_logits, topk_ids, topk_weights, top_k, num_experts, op);
+  check_moe_routing_out(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
+                        local_expert_offset, tile_size, ids, weights, counts, offsets, permuted_to_expanded,
+                        expanded_to_permuted, tile_offsets, workspace, op);
   const RoutingOut o{ids, weights, counts, offsets, permuted_to_expanded, expanded_to_permuted, tile_offsets};
-  check_moe_shard(num_experts, num_local_experts, local_expert_offset, tile_size, op);
-  check_moe_routing_out(tokens, top_k, num_local_experts, o.ids, o.weights, o.counts, o.offsets,
-                        o.permuted_to_expanded, o.expanded_to_permuted, o.tile_offsets, workspace,
-                        router_logits ? *router_logits : *topk_ids, op);
   routing_into(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts, local_expert_offset,
                tile_size, o, workspace, op);
 }

@@ -122,15 +122,17 @@ def e4m3_reference(x, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_quantize_fp8_matches_reference(device, dtype):
+@pytest.mark.parametrize("shape", [(37, 129), (301, 257)])  # odd sizes: the vector loop's tail
+def test_quantize_fp8_matches_reference(device, dtype, shape):
+    # On CUDA a dynamic scale takes one block up to 65536 elements and three grid kernels above.
     g = torch.Generator().manual_seed(1)
-    base = AMPLITUDE * torch.randn(37, 129, generator=g)  # odd size: the vector loop's tail
+    base = AMPLITUDE * torch.randn(*shape, generator=g)
     base[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -3e4])
     for x in (base.to(dtype), base.to(dtype).flatten()[1:]):  # the second is not 16-byte aligned
         x_dev = x.to(device)
         amax = x.float().abs().max()
         for scale in (None, torch.tensor([0.05]), torch.tensor([1e-3])):  # 1e-3: most values saturate
-            want_scale = (amax.clamp_min(1e-12) / 448).reshape(1) if scale is None else scale
+            want_scale = (amax.clamp_min(1e-12) / torch.tensor(448.0)).reshape(1) if scale is None else scale
             q, used = torch.ops.cake.quantize_fp8(x_dev, None if scale is None else scale.to(device))
             assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
             assert torch.equal(used.cpu(), want_scale)
@@ -147,7 +149,8 @@ def test_quantize_fp8_matches_reference(device, dtype):
 
 def quantize_per_expert(w):
     """Dequantized e4m3 weights with one scale per expert, max(|w[e]|) / 448, and the scales."""
-    scale = w.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / 448
+    amax = w.float().abs().amax(dim=(1, 2)).clamp_min(1e-12)
+    scale = amax / torch.full_like(amax, 448)
     return e4m3_reference(w, scale.view(-1, 1, 1)).float() * scale.view(-1, 1, 1), scale
 
 
@@ -206,11 +209,36 @@ def test_fp8_stages_match_float32_reference(device):
                                                                                   -limit)
     assert act.dtype == torch.bfloat16 and rel(act[:kept], want) < 1e-2
     q = sm.requant(act, weights)
-    want_scale = act.float().abs().max().clamp_min(1e-12).reshape(1) / 448
+    # A tensor divisor: CUDA divides by a Python scalar as a multiplication by its reciprocal.
+    amax = act.float().abs().max().clamp_min(1e-12).reshape(1)
+    want_scale = amax / torch.full_like(amax, 448)
     assert torch.equal(q.scale, want_scale)
     assert torch.equal(q.values.view(torch.uint8), e4m3_reference(act, want_scale).view(torch.uint8))
     rows = sm.fc2(q, weights, routed)
     assert rows.dtype == torch.bfloat16 and rel(rows[:kept], per_expert(q.values.float() * q.scale, w2_dq)) < 1e-2
+
+
+@cuda_only
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactics"), reason="built without CUDA kernels")
+def test_every_fp8_kernel_configuration_matches_float64():
+    # Each fwd_e4m3 tactic is its own kernel: all of them, on ragged groups (empty, one row, not a
+    # tile multiple, one hot expert), against float64 on the same e4m3 operands and scales.
+    sizes = [0, 1, 130, 7, 0, 300, 64, 1000]
+    e, n, k = len(sizes), 136, 784  # K: 3 x 256 + 16, a partial last K tile for every configuration
+    g = torch.Generator().manual_seed(3)
+    a = (4 * torch.randn(sum(sizes) + 9, k, generator=g)).to(torch.float8_e4m3fn).cuda()
+    w = (4 * torch.randn(e, n, k, generator=g)).to(torch.float8_e4m3fn).cuda()
+    a_scale, w_scale = torch.tensor([0.03]).cuda(), (0.01 + torch.rand(e, generator=g)).cuda()
+    offsets = torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    ends = offsets.tolist()
+    want = torch.zeros(ends[-1], n, dtype=torch.float64)
+    for j in range(e):
+        rows = a[ends[j]:ends[j + 1]].double().cpu()
+        want[ends[j]:ends[j + 1]] = rows @ w[j].double().cpu().T * float(a_scale) * float(w_scale[j])
+    names = cake_ops._C.grouped_gemm_tactics("fwd_e4m3")
+    for i, name in enumerate(names):
+        got = torch.ops.cake.moe_gemm2(a, w, offsets, True, i, a_scale, w_scale).double().cpu()[:ends[-1]]
+        assert float((got - want).norm() / want.norm()) < 1e-2, name  # later rows: no route
 
 
 def test_fp8_static_scales_and_e4m3_hidden_states(device):

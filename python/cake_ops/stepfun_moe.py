@@ -157,7 +157,7 @@ def _scale_tensor(fn: str, name: str, value, device) -> Optional[torch.Tensor]:
 def _quantize_per_expert(w: torch.Tensor):
     """e4m3 weights with one scale per expert, max(|w[e]|) / 448."""
     amax = w.detach().float().abs().amax(dim=(1, 2)).clamp_min(1e-12)
-    scale = (amax / 448.0).contiguous()
+    scale = amax / torch.full_like(amax, 448.0)  # a tensor divisor: CUDA divides by a scalar via its reciprocal
     return (w.float() / scale.view(-1, 1, 1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 

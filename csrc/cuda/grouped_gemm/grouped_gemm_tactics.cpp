@@ -1,6 +1,9 @@
 #include "cuda/grouped_gemm/grouped_gemm_tactics.h"
 
 #include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
 
 #include <array>
 #include <atomic>
@@ -63,6 +66,7 @@ int find(TacticFamily family, const std::string& name) {
 // The heuristic's choices for one family, looked up by name once (not per launch).
 struct HeuristicChoices {
   int few_rows;           // a few rows per group: weight-bandwidth bound
+  int few_rows_narrow;    // the same with half the weight rows per tile, for fuller waves; -1: none
   int medium_groups;      // up to 2048 rows per group (many experts, or Mixtral-sized); -1: none
   int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
   int large_groups_odd;   // large groups, an odd number of 256-wide N tiles
@@ -83,25 +87,58 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
       switch (fam) {
         case TacticFamily::kFwdBf16:
         case TacticFamily::kFwdF16:
-          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("ping_128x128x" + k64 + "_c1x1_swz4"), coop_1x2,
-                  coop_2x1, named("ping_128x128x" + k64 + "_c1x1_rasterN")};
+          // Decode with few experts touched: 64x16x256 pingpong, 9% over 128x32x128 on the StepFun fc1 at T=1
+          // (sweep_moe_gemm.py; float16 has no such configuration).
+          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"),
+                  fam == TacticFamily::kFwdBf16 ? named("swapab_ping_64x16x256_c1x1") : -1,
+                  named("ping_128x128x" + k64 + "_c1x1_swz4"), coop_1x2, coop_2x1,
+                  named("ping_128x128x" + k64 + "_c1x1_rasterN")};
           break;
         case TacticFamily::kFwdE4m3:
           // From the H200 sweep of the StepFun shapes (sweep_moe_gemm.py, NOTES.md): from 256 rows per
           // expert up, 128x256 cooperative with the 1x2 cluster leads (837-966 TFLOP/s, 8-18% over
           // 128x128 pingpong); no medium-group or weight-in-L2 rule measured for fp8.
-          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), -1, coop_1x2, coop_2x1, -1};
+          // Decode with few experts touched: the bf16 rule's 64x16 tile, K stages of the same bytes.
+          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"), -1, coop_1x2,
+                  coop_2x1, -1};
           break;
         case TacticFamily::kDgradBf16:
-          c[f] = {named("ping_64x256x64_c1x1"), named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1, -1};
+          c[f] = {named("ping_64x256x64_c1x1"), -1, named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1, -1};
           break;
         default:  // wgrad: the groups' rows are the reduction; the output is E dense N x K tiles
-          c[f] = {coop_2x1, -1, coop_1x2, coop_2x1, -1};
+          c[f] = {coop_2x1, -1, -1, coop_1x2, coop_2x1, -1};
       }
     }
     return c;
   }();
   return choices[static_cast<int>(family)];
+}
+
+int sm_count() {
+  static const int count = [] {
+    int devices = 0, device = 0, sms = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 132;  // no GPU here (a CPU-only test of the heuristic): an H100 / H200
+    }
+    return sms;
+  }();
+  return count;
+}
+
+// Decode (a few rows per expert, as many experts touched as routes): the weight tiles are the work
+// units, and few experts give few of them. Qwen3/StepFun fc1 at T=1 (8 experts, N=3072): 192 tiles
+// of 128 rows fill 132 SMs in 2 waves, the second 45% full (73% of the waves' capacity); 384 tiles
+// of 64 rows fill 97%. Halving the tile pays only when it fills the waves clearly better.
+bool narrow_weight_tiles_fill_better(const GroupedGemmShape& s) {
+  const int64_t experts = std::max<int64_t>(1, std::min(s.num_groups, s.sum_m));
+  const int64_t sms = sm_count();
+  auto fill = [&](int64_t tile_rows) {
+    const int64_t tiles = experts * ((s.n + tile_rows - 1) / tile_rows);
+    return double(tiles) / double((tiles + sms - 1) / sms * sms);
+  };
+  return fill(64) > fill(128) + 0.1;
 }
 
 }  // namespace
@@ -152,7 +189,9 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
   // tiles), along N in swizzles of 4: 4 to 12% over the 2x1 cluster, when the N tiles pair up.
   const HeuristicChoices& c = heuristic_choices(family);
   const int64_t rows_per_group = s.num_groups > 0 ? s.sum_m / s.num_groups : s.sum_m;
-  if (rows_per_group <= 32) return c.few_rows;
+  if (rows_per_group <= 32) {
+    return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
+  }
   if (rows_per_group <= 2048 && c.medium_groups >= 0) return c.medium_groups;
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an
   // H100's L2): sweeping along N keeps the expert's weight in L2 and re-reads x tiles from it,

@@ -486,12 +486,18 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 }
 
 // ---- fp8 per-tensor quantization ----------------------------------------------------------------
-// Grid-stride passes over 16-byte vectors of x (then the last few elements one by one). A dynamic
-// scale takes three kernels: the amax (atomicMax on the bits of |x|: for non-negative floats the
-// unsigned order is the float order and NaN sorts above every number, so NaN propagates), the
-// quantization, which derives the scale from that amax, and the amax's replacement by the scale.
+// Grid-stride passes over 16-byte vectors of x (then the last few elements one by one). The amax
+// is a max over the bits of |x|: for non-negative floats the unsigned order is the float order and
+// NaN sorts above every number, so NaN propagates. A dynamic scale over a small x (decode: the
+// hidden states and fc1's output of a few tokens) is one kernel of one block: amax, then quantize.
+// Larger x takes three: the amax (atomicMax), the quantization, which derives the scale from that
+// amax, and the amax's replacement by the scale.
 constexpr int kQuantThreads = 256;
 constexpr int kQuantMaxBlocks = 1024;
+constexpr int kQuantOneBlockThreads = 1024;
+// One block reads 64 Ki elements (128 KB of bf16) twice in ~2 us, under the ~5 us of the three
+// kernels and a memset that the grid path costs at that size.
+constexpr int64_t kQuantOneBlockMaxElements = int64_t(1) << 16;
 template <class T>
 constexpr int kQuantVec = 16 / sizeof(T);
 
@@ -506,13 +512,10 @@ __device__ __forceinline__ __nv_fp8_storage_t quantize_e4m3(float v, float scale
   return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
 }
 
+// This thread's max of |x| bits over elements first, first + stride, ...
 template <class T>
-__global__ void __launch_bounds__(kQuantThreads) fp8_amax_kernel(const T* x, int64_t n, unsigned* amax_bits) {
-  pdl_wait();
-  pdl_launch_dependents();
+__device__ __forceinline__ unsigned amax_bits_strided(const T* x, int64_t n, int64_t first, int64_t stride) {
   constexpr int V = kQuantVec<T>;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t vecs = n / V;
   unsigned m = 0;
   for (int64_t i = first; i < vecs; i += stride) {
@@ -522,25 +525,16 @@ __global__ void __launch_bounds__(kQuantThreads) fp8_amax_kernel(const T* x, int
     for (int j = 0; j < V; ++j) m = max(m, __float_as_uint(fabsf(load_float(e + j))));
   }
   for (int64_t i = vecs * V + first; i < n; i += stride) m = max(m, __float_as_uint(fabsf(load_float(x + i))));
-  m = __reduce_max_sync(0xffffffffu, m);
-  if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(amax_bits, m);
+  return m;
 }
 
-// kDynamic: `scale` holds the amax of x (fp8_amax_kernel) and scale_out is written afterwards
-// (fp8_scale_from_amax_kernel); else scale_out gets a copy of `scale`.
-template <class T, bool kDynamic>
-__global__ void __launch_bounds__(kQuantThreads)
-    fp8_quantize_kernel(const T* x, int64_t n, const float* scale_in, __nv_fp8_storage_t* out, float* scale_out) {
-  pdl_wait();
-  pdl_launch_dependents();
+template <class T>
+__device__ __forceinline__ void quantize_strided(const T* x, int64_t n, float scale, __nv_fp8_storage_t* out,
+                                                 int64_t first, int64_t stride) {
   constexpr int V = kQuantVec<T>;
   struct alignas(V) Bytes {
     __nv_fp8_storage_t b[V];
   };
-  const float scale = kDynamic ? amax_to_scale(*scale_in) : *scale_in;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (!kDynamic && first == 0) *scale_out = scale;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t vecs = n / V;
   for (int64_t i = first; i < vecs; i += stride) {
     const uint4 v = reinterpret_cast<const uint4*>(x)[i];
@@ -553,10 +547,49 @@ __global__ void __launch_bounds__(kQuantThreads)
   for (int64_t i = vecs * V + first; i < n; i += stride) out[i] = quantize_e4m3(load_float(x + i), scale);
 }
 
+template <class T>
+__global__ void __launch_bounds__(kQuantThreads) fp8_amax_kernel(const T* x, int64_t n, unsigned* amax_bits) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const unsigned m = __reduce_max_sync(0xffffffffu, amax_bits_strided(x, n, int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                                                                      int64_t(gridDim.x) * blockDim.x));
+  if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(amax_bits, m);
+}
+
+// kDynamic: `scale` holds the amax of x (fp8_amax_kernel) and scale_out is written afterwards
+// (fp8_scale_from_amax_kernel); else scale_out gets a copy of `scale`.
+template <class T, bool kDynamic>
+__global__ void __launch_bounds__(kQuantThreads)
+    fp8_quantize_kernel(const T* x, int64_t n, const float* scale_in, __nv_fp8_storage_t* out, float* scale_out) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const float scale = kDynamic ? amax_to_scale(*scale_in) : *scale_in;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (!kDynamic && first == 0) *scale_out = scale;
+  quantize_strided(x, n, scale, out, first, int64_t(gridDim.x) * blockDim.x);
+}
+
 __global__ void fp8_scale_from_amax_kernel(float* scale) {
   pdl_wait();
   pdl_launch_dependents();
   *scale = amax_to_scale(*scale);
+}
+
+// The dynamic scale of a small x in one block: the block's amax, then the quantization.
+template <class T>
+__global__ void __launch_bounds__(kQuantOneBlockThreads)
+    fp8_quantize_one_block_kernel(const T* x, int64_t n, __nv_fp8_storage_t* out, float* scale_out) {
+  __shared__ unsigned warp_max[kQuantOneBlockThreads / 32];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned m = __reduce_max_sync(0xffffffffu, amax_bits_strided(x, n, threadIdx.x, blockDim.x));
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  m = __reduce_max_sync(0xffffffffu, lane < int(blockDim.x >> 5) ? warp_max[lane] : 0u);
+  const float scale = amax_to_scale(__uint_as_float(m));
+  if (threadIdx.x == 0) *scale_out = scale;
+  quantize_strided(x, n, scale, out, threadIdx.x, blockDim.x);
 }
 
 template <class T>
@@ -566,6 +599,11 @@ void launch_fp8_quantize(const T* x, int64_t n, const float* scale, __nv_fp8_sto
   const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kQuantMaxBlocks)));
   if (scale != nullptr) {
     launch_kernel(fp8_quantize_kernel<T, false>, grid, dim3(kQuantThreads), 0, stream, pdl, x, n, scale, out,
+                  scale_out);
+    return;
+  }
+  if (n <= kQuantOneBlockMaxElements) {
+    launch_kernel(fp8_quantize_one_block_kernel<T>, dim3(1), dim3(kQuantOneBlockThreads), 0, stream, pdl, x, n, out,
                   scale_out);
     return;
   }

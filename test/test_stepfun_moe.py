@@ -63,19 +63,22 @@ def topk_reference(logits, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_routing_from_logits_matches_reference(device, dtype):
-    t, e, k = 50, 64, 8
+# On CUDA up to 64 tokens over up to 512 experts route and sort in one kernel, others in two.
+@pytest.mark.parametrize("t,e,k,shard", [(50, 64, 8, False), (50, 64, 8, True), (300, 64, 8, True), (20, 600, 4, False)])
+def test_routing_from_logits_matches_reference(device, dtype, t, e, k, shard):
     logits = torch.randint(-4, 5, (t, e)).float()  # many ties: the lower id wins
     logits[0, :] = 1.0
     logits[1, 7] = float("nan")
     logits[2, :] = float("-inf")
     logits[2, 9] = 0.0
     logits = logits.to(dtype)
-    routed = sm.routing(logits.to(device), top_k=k, num_experts=e, tile_size=64)
+    local, offset = (e // 4, e // 4) if shard else (e, 0)
+    routed = sm.routing(logits.to(device), top_k=k, num_experts=e, num_local_experts=local,
+                        local_expert_offset=offset, tile_size=64)
     ids, weights = topk_reference(logits, k)
     assert torch.equal(routed.expert_ids.cpu(), ids)
     torch.testing.assert_close(routed.expert_weights.cpu().double(), weights, rtol=1e-5, atol=1e-6)
-    sort = torch.ops.cake.moe_sort(ids, e, e, 0, 64)
+    sort = torch.ops.cake.moe_sort(ids, e, local, offset, 64)
     for got, want in zip([routed.expert_counts, routed.expert_offsets, routed.permuted_idx_to_expanded_idx,
                           routed.expanded_idx_to_permuted_idx, routed.expert_tile_offsets], sort):
         assert torch.equal(got.cpu(), want)

@@ -149,7 +149,6 @@ constexpr const char* kBadOffsetsMessage =
                             : "cake::grouped_gemm_wgrad: offs must be non-decreasing group ends within [0, sum_m] (m_indptr: leading 0)";
 
 constexpr int kPrologueThreads = 256;
-constexpr int kZeroBlocksPerGroup = 16;
 
 // 16-byte zero stores over [begin, end) bytes of `base` (16-byte aligned, sizes multiples of 16).
 __device__ inline void zero_bytes(char* base, int64_t begin, int64_t end, int64_t first_thread,
@@ -159,94 +158,106 @@ __device__ inline void zero_bytes(char* base, int64_t begin, int64_t end, int64_
   }
 }
 
-// grid (kZeroBlocksPerGroup, max(E, 1)): block (0, e) thread 0 writes group e's arguments; the
-// blocks zero what no group writes (fwd/dgrad: all of them, rows past the last end; wgrad: the
-// blocks of an empty group, its dw).
+// Group e's problem shape, pointers, strides (and fp8 scale), from its offsets.
+template <class Config>
+__device__ void write_group_arguments(const GroupedGemmParams& p, const GroupArrays<Config>& arr, int64_t e) {
+  constexpr Kind kKind = Config::op;
+  using ElementIn = typename Config::ElementIn;
+  using ElementOut = typename Config::ElementOut;
+  const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
+  const int64_t start = e == 0 ? 0 : ends[e - 1];
+  const int64_t end = ends[e];
+  const int64_t rows = end - start;
+  if (rows < 0 || end > p.sum_m || start < 0 || (p.indptr && e == 0 && p.offs[0] != 0)) {
+    __assert_fail(kBadOffsetsMessage<kKind>, __FILE__, __LINE__, __func__);
+  }
+  auto a = static_cast<const ElementIn*>(p.a);
+  auto b = static_cast<const ElementIn*>(p.b);
+  auto d = static_cast<ElementOut*>(p.out);
+  const int m = static_cast<int>(rows);
+  const int n = static_cast<int>(p.n);
+  const int k = static_cast<int>(p.k);
+  if constexpr (Config::kind == Kind::kFwdSwapAB) {
+    arr.shapes[e] = {n, m, k};
+    arr.ptr_a[e] = b + e * p.n * p.k;
+    arr.ptr_b[e] = a + start * p.k;
+    arr.ptr_d[e] = d + start * p.n;
+    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {n, k, 1});
+    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {m, k, 1});
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, m, 1});
+  } else if constexpr (Config::kind == Kind::kDgradSwapAB) {
+    arr.shapes[e] = {k, m, n};
+    arr.ptr_a[e] = b + e * p.n * p.k;
+    arr.ptr_b[e] = a + start * p.n;
+    arr.ptr_d[e] = d + start * p.k;
+    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {k, n, 1});
+    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {m, n, 1});
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {k, m, 1});
+  } else if constexpr (kKind == Kind::kFwd) {
+    arr.shapes[e] = {m, n, k};
+    arr.ptr_a[e] = a + start * p.k;
+    arr.ptr_b[e] = b + e * p.n * p.k;
+    arr.ptr_d[e] = d + start * p.n;
+    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {m, k, 1});
+    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {m, n, 1});
+  } else if constexpr (kKind == Kind::kDgrad) {
+    arr.shapes[e] = {m, k, n};
+    arr.ptr_a[e] = a + start * p.n;
+    arr.ptr_b[e] = b + e * p.n * p.k;
+    arr.ptr_d[e] = d + start * p.k;
+    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {m, n, 1});
+    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, n, 1});
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {m, k, 1});
+  } else {
+    // An empty group reduces over nothing: it gets no tiles (M = 0) and is zeroed instead.
+    arr.shapes[e] = {m > 0 ? n : 0, k, m};
+    arr.ptr_a[e] = a + start * p.n;
+    arr.ptr_b[e] = b + start * p.k;
+    arr.ptr_d[e] = d + e * p.n * p.k;
+    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {n, m, 1});
+    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, m, 1});
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, k, 1});
+  }
+  if constexpr (Config::kScaled) {
+    arr.alpha[e] = (p.a_scale ? *p.a_scale : 1.0f) * (p.b_scale ? p.b_scale[e] : 1.0f);
+  }
+}
+
+// Whether the op zeroes output that no group writes: wgrad the dw of empty groups, fwd / dgrad
+// with zero_tail the rows past the last group's end.
+template <class Config>
+bool prologue_zeroes(const GroupedGemmParams& p) {
+  return Config::op == Kind::kWgrad || p.zero_tail;
+}
+
+// One thread per group writes its arguments. The zeroing (prologue_zeroes) is shared by every
+// thread of the grid. Without it the grid is one block per 256 groups: a decode GEMM's prologue
+// is then one block, not the thousands an output-sized grid would schedule for nothing.
 template <class Config>
 __global__ void __launch_bounds__(kPrologueThreads)
     prepare_groups_kernel(GroupedGemmParams p, GroupArrays<Config> arr) {
   pdl_wait();
   pdl_launch_dependents();
   constexpr Kind kKind = Config::op;
-  using ElementIn = typename Config::ElementIn;
   using ElementOut = typename Config::ElementOut;
-  const int64_t e = blockIdx.y;
-  const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
-  const int64_t start = (e == 0 || e >= p.num_groups) ? 0 : ends[e - 1];
-  const int64_t end = e < p.num_groups ? ends[e] : 0;
-  const int64_t rows = end - start;
-
-  if (e < p.num_groups && blockIdx.x == 0 && threadIdx.x == 0) {
-    if (rows < 0 || end > p.sum_m || start < 0 || (p.indptr && e == 0 && p.offs[0] != 0)) {
-      __assert_fail(kBadOffsetsMessage<kKind>, __FILE__, __LINE__, __func__);
-    }
-    auto a = static_cast<const ElementIn*>(p.a);
-    auto b = static_cast<const ElementIn*>(p.b);
-    auto d = static_cast<ElementOut*>(p.out);
-    const int m = static_cast<int>(rows);
-    const int n = static_cast<int>(p.n);
-    const int k = static_cast<int>(p.k);
-    if constexpr (Config::kind == Kind::kFwdSwapAB) {
-      arr.shapes[e] = {n, m, k};
-      arr.ptr_a[e] = b + e * p.n * p.k;
-      arr.ptr_b[e] = a + start * p.k;
-      arr.ptr_d[e] = d + start * p.n;
-      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {n, k, 1});
-      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {m, k, 1});
-      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, m, 1});
-    } else if constexpr (Config::kind == Kind::kDgradSwapAB) {
-      arr.shapes[e] = {k, m, n};
-      arr.ptr_a[e] = b + e * p.n * p.k;
-      arr.ptr_b[e] = a + start * p.n;
-      arr.ptr_d[e] = d + start * p.k;
-      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {k, n, 1});
-      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {m, n, 1});
-      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {k, m, 1});
-    } else if constexpr (kKind == Kind::kFwd) {
-      arr.shapes[e] = {m, n, k};
-      arr.ptr_a[e] = a + start * p.k;
-      arr.ptr_b[e] = b + e * p.n * p.k;
-      arr.ptr_d[e] = d + start * p.n;
-      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {m, k, 1});
-      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
-      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {m, n, 1});
-    } else if constexpr (kKind == Kind::kDgrad) {
-      arr.shapes[e] = {m, k, n};
-      arr.ptr_a[e] = a + start * p.n;
-      arr.ptr_b[e] = b + e * p.n * p.k;
-      arr.ptr_d[e] = d + start * p.k;
-      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {m, n, 1});
-      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, n, 1});
-      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {m, k, 1});
-    } else {
-      // An empty group reduces over nothing: it gets no tiles (M = 0) and is zeroed below.
-      arr.shapes[e] = {m > 0 ? n : 0, k, m};
-      arr.ptr_a[e] = a + start * p.n;
-      arr.ptr_b[e] = b + start * p.k;
-      arr.ptr_d[e] = d + e * p.n * p.k;
-      arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {n, m, 1});
-      arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, m, 1});
-      arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, k, 1});
-    }
-    if constexpr (Config::kScaled) {
-      arr.alpha[e] = (p.a_scale ? *p.a_scale : 1.0f) * (p.b_scale ? p.b_scale[e] : 1.0f);
-    }
-  }
-
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t e = thread; e < p.num_groups; e += threads) write_group_arguments<Config>(p, arr, e);
+
+  const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
   if constexpr (kKind == Kind::kWgrad) {
-    if (e < p.num_groups && rows == 0) {
-      const int64_t bytes = p.n * p.k * int64_t(sizeof(ElementOut));
-      zero_bytes(static_cast<char*>(p.out) + e * bytes, 0, bytes, thread, threads);
+    const int64_t bytes = p.n * p.k * int64_t(sizeof(ElementOut));
+    for (int64_t e = 0; e < p.num_groups; ++e) {
+      const bool empty = ends[e] == (e == 0 ? 0 : ends[e - 1]);
+      if (empty) zero_bytes(static_cast<char*>(p.out) + e * bytes, 0, bytes, thread, threads);
     }
   } else if (p.zero_tail) {
-    // Every block shares the tail: it can be most of the output (expert-parallel MoE shards).
+    // The tail can be most of the output (expert-parallel MoE shards).
     const int64_t last_end = p.num_groups > 0 ? ends[p.num_groups - 1] : 0;
     const int64_t row_bytes = (kKind == Kind::kFwd ? p.n : p.k) * int64_t(sizeof(ElementOut));
     if (last_end >= 0 && last_end < p.sum_m) {
-      zero_bytes(static_cast<char*>(p.out), last_end * row_bytes, p.sum_m * row_bytes,
-                 int64_t(blockIdx.y) * threads + thread, threads * gridDim.y);
+      zero_bytes(static_cast<char*>(p.out), last_end * row_bytes, p.sum_m * row_bytes, thread, threads);
     }
   }
 }
@@ -285,8 +296,11 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
                           ws.take<typename Config::StrideD>(E),
                           ws.take<float>(E)};
 
-  dim3 grid(kZeroBlocksPerGroup, static_cast<unsigned>(std::max<int64_t>(E, 1)));
-  launch_kernel(prepare_groups_kernel<Config>, grid, dim3(kPrologueThreads), 0, stream, p.pdl, p, arr);
+  const int64_t argument_blocks = std::max<int64_t>(1, (E + kPrologueThreads - 1) / kPrologueThreads);
+  const int64_t blocks = prologue_zeroes<Config>(p) ? std::max<int64_t>(argument_blocks, 4 * int64_t(p.sm_count))
+                                                    : argument_blocks;
+  launch_kernel(prepare_groups_kernel<Config>, dim3(static_cast<unsigned>(blocks)), dim3(kPrologueThreads), 0, stream,
+                p.pdl, p, arr);
   if (E == 0) return;
 
   cutlass::KernelHardwareInfo hw_info;

@@ -53,12 +53,10 @@ at::Tensor sort_workspace(int64_t routes, int64_t num_local_experts, const at::T
   return at::empty({moe_routing_workspace_bytes(routes, num_local_experts)}, like.options().dtype(at::kByte));
 }
 
-// Sorts o.ids (already written) into o's last five outputs; `workspace`: moe_routing_workspace_bytes.
-void sort_into(int64_t num_experts, int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size,
-               const RoutingOut& o, const at::Tensor& workspace, const char* op) {
+// The sort's kernel arguments: o.ids into o's last five outputs.
+sm90::MoeSortArgs sort_args(int64_t num_experts, int64_t num_local_experts, int64_t local_expert_offset,
+                            int64_t tile_size, const RoutingOut& o, const char* op) {
   TORCH_CHECK(num_experts <= INT32_MAX && tile_size <= INT32_MAX, op, ": num_experts and tile_size must fit in int32");
-  c10::cuda::CUDAGuard guard(o.ids.device());
-  select_kernel_arch(o.ids.get_device(), op);
   sm90::MoeSortArgs a;
   a.ids = o.ids.data_ptr<int32_t>();
   a.routes = o.ids.numel();
@@ -71,6 +69,15 @@ void sort_into(int64_t num_experts, int64_t num_local_experts, int64_t local_exp
   a.permuted_to_expanded = o.permuted_to_expanded.data_ptr<int32_t>();
   a.expanded_to_permuted = o.expanded_to_permuted.data_ptr<int32_t>();
   a.tile_offsets = o.tile_offsets.data_ptr<int32_t>();
+  return a;
+}
+
+// Sorts o.ids (already written) into o's last five outputs; `workspace`: moe_routing_workspace_bytes.
+void sort_into(int64_t num_experts, int64_t num_local_experts, int64_t local_expert_offset, int64_t tile_size,
+               const RoutingOut& o, const at::Tensor& workspace, const char* op) {
+  const auto a = sort_args(num_experts, num_local_experts, local_expert_offset, tile_size, o, op);
+  c10::cuda::CUDAGuard guard(o.ids.device());
+  select_kernel_arch(o.ids.get_device(), op);
   // One block (up to a chunk of routes, none included) needs no workspace.
   const int64_t blocks = sm90::moe_sort_blocks(a.routes, num_local_experts);
   TORCH_CHECK(blocks == 1 || blocks * num_local_experts * 4 <= static_cast<int64_t>(workspace.nbytes()), op,
@@ -100,6 +107,13 @@ void routing_into(const c10::optional<at::Tensor>& router_logits, const c10::opt
     TORCH_CHECK(logits.is_cuda(), op, ": router_logits must be a CUDA tensor here");
     c10::cuda::CUDAGuard guard(logits.device());
     select_kernel_arch(logits.get_device(), op);
+    const auto a = sort_args(num_experts, num_local_experts, local_expert_offset, tile_size, o, op);
+    if (sm90::moe_route_and_sort_fits(logits.size(0), a)) {  // decode: one launch
+      sm90::moe_route_and_sort(logits.data_ptr(), float_type(logits), logits.size(0), static_cast<int>(top_k),
+                               o.ids.data_ptr<int32_t>(), o.weights.data_ptr<float>(), a,
+                               at::cuda::getCurrentCUDAStream(logits.get_device()), /*pdl=*/true);
+      return;
+    }
     sm90::moe_topk_softmax(logits.data_ptr(), float_type(logits), logits.size(0), static_cast<int>(num_experts),
                            static_cast<int>(top_k), o.ids.data_ptr<int32_t>(), o.weights.data_ptr<float>(),
                            at::cuda::getCurrentCUDAStream(logits.get_device()), /*pdl=*/true);

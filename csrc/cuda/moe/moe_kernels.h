@@ -53,6 +53,14 @@ constexpr int kMoeRoutingMaxTopK = 32;
 void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,
                       float* weights, cudaStream_t stream, bool pdl);
 
+// Decode: moe_topk_softmax then moe_sort (a.ids == ids) in one launch of one block, for a few
+// tokens whose routes the one-block sort takes (moe_route_and_sort_fits). The same outputs.
+constexpr int64_t kMoeRouteAndSortMaxTokens = 64;
+constexpr int kMoeRouteAndSortMaxExperts = 512;
+bool moe_route_and_sort_fits(int64_t tokens, const MoeSortArgs& a);
+void moe_route_and_sort(const void* logits, FloatType type, int64_t tokens, int top_k, int32_t* ids, float* weights,
+                        const MoeSortArgs& a, cudaStream_t stream, bool pdl);
+
 // Per-tensor fp8: out[i] = e4m3(clamp(x[i] / s, -448, 448)) (x: n elements, 16-byte aligned; out
 // 16-byte aligned), s = *scale, or with scale null the dynamic max(amax(|x|), 1e-12) / 448
 // computed on the device; *scale_out = s.

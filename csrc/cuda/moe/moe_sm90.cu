@@ -58,7 +58,7 @@ __device__ __forceinline__ void load_keys(const MoeSortArgs& a, int64_t base, in
 #pragma unroll
   for (int u = 0; u < kSortUnroll; ++u) {
     const int64_t r = base + 32 * u + lane;
-    ids[u] = r < end ? __ldg(a.ids + r) : -1;
+    ids[u] = r < end ? a.ids[r] : -1;  // not __ldg: the fused routing kernel writes the ids it sorts
   }
 #pragma unroll
   for (int u = 0; u < kSortUnroll; ++u) {
@@ -186,16 +186,21 @@ __device__ void fill_tail(const MoeSortArgs& a, int64_t kept) {
   }
 }
 
-__global__ void __launch_bounds__(kSortThreads) moe_sort_one_block_kernel(MoeSortArgs a, int warps) {
-  extern __shared__ int32_t smem[];
-  pdl_wait();
-  pdl_launch_dependents();
+// All of a.routes in one block (dynamic shared memory: sort_smem_bytes).
+__device__ void sort_one_block(const MoeSortArgs& a, int warps, int32_t* smem) {
   int32_t* warp_base = smem;                                // [warps][E]
   int32_t* starts = smem + warps * a.num_local_experts;     // [E + 1]
   count_chunk(a, 0, a.routes, warps, warp_base, starts);
   scan_experts(a, starts);
   place_chunk(a, 0, a.routes, warps, warp_base, starts);
   fill_tail(a, starts[a.num_local_experts]);
+}
+
+__global__ void __launch_bounds__(kSortThreads) moe_sort_one_block_kernel(MoeSortArgs a, int warps) {
+  extern __shared__ int32_t smem[];
+  pdl_wait();
+  pdl_launch_dependents();
+  sort_one_block(a, warps, smem);
 }
 
 // Multi-block sort, 1/3: each block's per-expert totals -> block_rows [blocks][E].
@@ -375,20 +380,18 @@ __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
   return va > vb || (va == vb && ia < ib);
 }
 
-template <class T>
-__global__ void __launch_bounds__(32 * kRoutingWarps)
-    moe_topk_softmax_kernel(const T* logits, int64_t tokens, int num_experts, int top_k, int32_t* ids,
-                            float* weights) {
-  pdl_wait();
-  pdl_launch_dependents();
+// Token t's Renormalize routing by one warp: top-k of its logits (ties to the lower id), softmax
+// over the k picks in float32, into ids / weights [t * top_k, (t + 1) * top_k).
+// kPerLane: the experts each lane holds (num_experts <= 32 * kPerLane).
+template <int kPerLane, class T>
+__device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, int top_k, int32_t* ids,
+                                   float* weights) {
   const int lane = threadIdx.x & 31;
-  const int64_t t = int64_t(blockIdx.x) * kRoutingWarps + threadIdx.x / 32;
-  if (t >= tokens) return;
   // Lane l holds experts l, l + 32, ...; taken ones become -inf with id INT_MAX (never chosen).
-  float v[kRoutingPerLane];
-  int id[kRoutingPerLane];
+  float v[kPerLane];
+  int id[kPerLane];
 #pragma unroll
-  for (int i = 0; i < kRoutingPerLane; ++i) {
+  for (int i = 0; i < kPerLane; ++i) {
     const int e = lane + 32 * i;
     float x = e < num_experts ? load_float(logits + t * num_experts + e) : -INFINITY;
     if (isnan(x)) x = -INFINITY;
@@ -401,7 +404,7 @@ __global__ void __launch_bounds__(32 * kRoutingWarps)
     float best = -INFINITY;
     int best_id = INT_MAX;
 #pragma unroll
-    for (int i = 0; i < kRoutingPerLane; ++i) {
+    for (int i = 0; i < kPerLane; ++i) {
       if (beats(v[i], id[i], best, best_id)) {
         best = v[i];
         best_id = id[i];
@@ -418,7 +421,7 @@ __global__ void __launch_bounds__(32 * kRoutingWarps)
     top[j] = best;
     if (lane == j) top_id = best_id;
 #pragma unroll
-    for (int i = 0; i < kRoutingPerLane; ++i) {
+    for (int i = 0; i < kPerLane; ++i) {
       if (id[i] == best_id) {
         v[i] = -INFINITY;
         id[i] = INT_MAX;
@@ -434,6 +437,34 @@ __global__ void __launch_bounds__(32 * kRoutingWarps)
       weights[t * top_k + j] = expf(top[j] - top[0]) / sum;
     }
   }
+}
+
+template <class T>
+__global__ void __launch_bounds__(32 * kRoutingWarps)
+    moe_topk_softmax_kernel(const T* logits, int64_t tokens, int num_experts, int top_k, int32_t* ids,
+                            float* weights) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t t = int64_t(blockIdx.x) * kRoutingWarps + threadIdx.x / 32;
+  if (t < tokens) topk_softmax_token<kRoutingPerLane>(logits, t, num_experts, top_k, ids, weights);
+}
+
+// Decode: the routing of a few tokens and the sort of their routes in one block, one launch
+// instead of two. Its warps take the tokens in turn, then the block sorts as
+// moe_sort_one_block_kernel (the ids it wrote are visible to the block after the barrier). At
+// most 512 experts: 16 per lane keep the 1024-thread block within its 64 registers a thread.
+template <class T>
+__global__ void __launch_bounds__(kSortThreads)
+    moe_route_and_sort_one_block_kernel(const T* logits, int64_t tokens, int top_k, int32_t* ids, float* weights,
+                                        MoeSortArgs a, int warps) {
+  extern __shared__ int32_t smem[];
+  pdl_wait();
+  pdl_launch_dependents();
+  for (int64_t t = threadIdx.x / 32; t < tokens; t += blockDim.x / 32) {
+    topk_softmax_token<kMoeRouteAndSortMaxExperts / 32>(logits, t, a.num_experts, top_k, ids, weights);
+  }
+  __syncthreads();
+  sort_one_block(a, warps, smem);
 }
 
 // ---- finalize ---------------------------------------------------------------------------------
@@ -623,22 +654,44 @@ int64_t moe_sort_blocks(int64_t routes, int64_t num_local_experts) {
   return routes <= chunk ? 1 : (routes + chunk - 1) / chunk;
 }
 
-void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bool pdl) {
-  TORCH_CHECK(a.num_local_experts >= 1 && a.num_local_experts <= kMoeSortMaxLocalExperts,
-              "cake::moe_sort: at most ", kMoeSortMaxLocalExperts, " local experts on CUDA, got ",
-              a.num_local_experts);
-  const int warps = sort_warps(a.num_local_experts);
-  const int64_t chunk = int64_t(warps) * kSortStep;
-  const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
+namespace {
+
+// The sort kernels' shared memory may exceed the default 48 KB; set once per process.
+void configure_sort_kernels() {
   static const bool configured = [] {
-    for (const void* kernel : {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel,
-                               (const void*)moe_sort_scan_kernel, (const void*)moe_sort_place_kernel}) {
+    for (const void* kernel :
+         {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel, (const void*)moe_sort_scan_kernel,
+          (const void*)moe_sort_place_kernel, (const void*)moe_route_and_sort_one_block_kernel<float>,
+          (const void*)moe_route_and_sort_one_block_kernel<__nv_bfloat16>,
+          (const void*)moe_route_and_sort_one_block_kernel<__half>}) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(kSortSmemBudget + 1024)));
     }
     return true;
   }();
   (void)configured;
+}
+
+void check_sort_experts(const MoeSortArgs& a) {
+  TORCH_CHECK(a.num_local_experts >= 1 && a.num_local_experts <= kMoeSortMaxLocalExperts,
+              "cake::moe_sort: at most ", kMoeSortMaxLocalExperts, " local experts on CUDA, got ",
+              a.num_local_experts);
+}
+
+void check_routing_limits(int num_experts, int top_k) {
+  TORCH_CHECK(num_experts <= kMoeRoutingMaxExperts && top_k <= kMoeRoutingMaxTopK, "cake::moe_routing: CUDA kernels "
+              "take at most ", kMoeRoutingMaxExperts, " experts and top_k <= ", kMoeRoutingMaxTopK, ", got ",
+              num_experts, " and ", top_k);
+}
+
+}  // namespace
+
+void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bool pdl) {
+  check_sort_experts(a);
+  configure_sort_kernels();
+  const int warps = sort_warps(a.num_local_experts);
+  const int64_t chunk = int64_t(warps) * kSortStep;
+  const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
   const int64_t blocks = moe_sort_blocks(a.routes, a.num_local_experts);
   if (blocks == 1) {
     launch_kernel(moe_sort_one_block_kernel, dim3(1), dim3(kSortThreads), smem, stream, pdl, a, warps);
@@ -678,9 +731,7 @@ void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offse
 
 void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,
                       float* weights, cudaStream_t stream, bool pdl) {
-  TORCH_CHECK(num_experts <= kMoeRoutingMaxExperts && top_k <= kMoeRoutingMaxTopK, "cake::moe_routing: CUDA kernels "
-              "take at most ", kMoeRoutingMaxExperts, " experts and top_k <= ", kMoeRoutingMaxTopK, ", got ",
-              num_experts, " and ", top_k);
+  check_routing_limits(num_experts, top_k);
   if (tokens == 0) return;
   const dim3 grid(static_cast<unsigned>((tokens + kRoutingWarps - 1) / kRoutingWarps));
   const dim3 block(32 * kRoutingWarps);
@@ -696,6 +747,36 @@ void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int nu
     case FloatType::kHalf:
       launch_kernel(moe_topk_softmax_kernel<__half>, grid, block, 0, stream, pdl, static_cast<const __half*>(logits),
                     tokens, num_experts, top_k, ids, weights);
+      break;
+  }
+}
+
+bool moe_route_and_sort_fits(int64_t tokens, const MoeSortArgs& a) {
+  return tokens >= 1 && tokens <= kMoeRouteAndSortMaxTokens && a.num_experts <= kMoeRouteAndSortMaxExperts &&
+         moe_sort_blocks(a.routes, a.num_local_experts) == 1;
+}
+
+void moe_route_and_sort(const void* logits, FloatType type, int64_t tokens, int top_k, int32_t* ids, float* weights,
+                        const MoeSortArgs& a, cudaStream_t stream, bool pdl) {
+  check_routing_limits(a.num_experts, top_k);
+  check_sort_experts(a);
+  TORCH_CHECK(moe_route_and_sort_fits(tokens, a), "cake::moe_routing: ", tokens, " tokens over ", a.num_experts,
+              " experts do not fit the one-block routing (internal error)");
+  configure_sort_kernels();
+  const int warps = sort_warps(a.num_local_experts);
+  const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
+  switch (type) {
+    case FloatType::kFloat:
+      launch_kernel(moe_route_and_sort_one_block_kernel<float>, dim3(1), dim3(kSortThreads), smem, stream, pdl,
+                    static_cast<const float*>(logits), tokens, top_k, ids, weights, a, warps);
+      break;
+    case FloatType::kBFloat16:
+      launch_kernel(moe_route_and_sort_one_block_kernel<__nv_bfloat16>, dim3(1), dim3(kSortThreads), smem, stream,
+                    pdl, static_cast<const __nv_bfloat16*>(logits), tokens, top_k, ids, weights, a, warps);
+      break;
+    case FloatType::kHalf:
+      launch_kernel(moe_route_and_sort_one_block_kernel<__half>, dim3(1), dim3(kSortThreads), smem, stream, pdl,
+                    static_cast<const __half*>(logits), tokens, top_k, ids, weights, a, warps);
       break;
   }
 }

@@ -224,16 +224,23 @@ __device__ void write_group_arguments(const GroupedGemmParams& p, const GroupArr
   }
 }
 
-// Whether the op zeroes output that no group writes: wgrad the dw of empty groups, fwd / dgrad
-// with zero_tail the rows past the last group's end.
+// The prologue's grid. wgrad: (kZeroBlocksPerGroup, max(E, 1)), block (0, e) writes group e's
+// arguments and the group's blocks zero its dw when it is empty (most of the output at decode:
+// each empty group's zeroing runs in parallel with the others'). fwd / dgrad: one thread per
+// group over one block per 256 groups, and with zero_tail at least 4 blocks per SM sharing the
+// rows past the last group's end; a decode GEMM's prologue is then one block, not an idle
+// output-sized grid.
+constexpr int kZeroBlocksPerGroup = 16;
+
 template <class Config>
-bool prologue_zeroes(const GroupedGemmParams& p) {
-  return Config::op == Kind::kWgrad || p.zero_tail;
+dim3 prologue_grid(const GroupedGemmParams& p) {
+  const int64_t groups = std::max<int64_t>(p.num_groups, 1);
+  if constexpr (Config::op == Kind::kWgrad) return dim3(kZeroBlocksPerGroup, static_cast<unsigned>(groups));
+  const int64_t argument_blocks = (groups + kPrologueThreads - 1) / kPrologueThreads;
+  return dim3(static_cast<unsigned>(p.zero_tail ? std::max<int64_t>(argument_blocks, 4 * int64_t(p.sm_count))
+                                                : argument_blocks));
 }
 
-// One thread per group writes its arguments. The zeroing (prologue_zeroes) is shared by every
-// thread of the grid. Without it the grid is one block per 256 groups: a decode GEMM's prologue
-// is then one block, not the thousands an output-sized grid would schedule for nothing.
 template <class Config>
 __global__ void __launch_bounds__(kPrologueThreads)
     prepare_groups_kernel(GroupedGemmParams p, GroupArrays<Config> arr) {
@@ -241,22 +248,24 @@ __global__ void __launch_bounds__(kPrologueThreads)
   pdl_launch_dependents();
   constexpr Kind kKind = Config::op;
   using ElementOut = typename Config::ElementOut;
-  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t e = thread; e < p.num_groups; e += threads) write_group_arguments<Config>(p, arr, e);
-
   const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
   if constexpr (kKind == Kind::kWgrad) {
-    const int64_t bytes = p.n * p.k * int64_t(sizeof(ElementOut));
-    for (int64_t e = 0; e < p.num_groups; ++e) {
-      const bool empty = ends[e] == (e == 0 ? 0 : ends[e - 1]);
-      if (empty) zero_bytes(static_cast<char*>(p.out) + e * bytes, 0, bytes, thread, threads);
+    const int64_t e = blockIdx.y;
+    if (e >= p.num_groups) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0) write_group_arguments<Config>(p, arr, e);
+    if (ends[e] == (e == 0 ? 0 : ends[e - 1])) {  // an empty group: no tile writes its dw
+      const int64_t bytes = p.n * p.k * int64_t(sizeof(ElementOut));
+      zero_bytes(static_cast<char*>(p.out) + e * bytes, 0, bytes, int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                 int64_t(gridDim.x) * blockDim.x);
     }
-  } else if (p.zero_tail) {
+  } else {
+    const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t threads = int64_t(gridDim.x) * blockDim.x;
+    for (int64_t e = thread; e < p.num_groups; e += threads) write_group_arguments<Config>(p, arr, e);
     // The tail can be most of the output (expert-parallel MoE shards).
     const int64_t last_end = p.num_groups > 0 ? ends[p.num_groups - 1] : 0;
     const int64_t row_bytes = (kKind == Kind::kFwd ? p.n : p.k) * int64_t(sizeof(ElementOut));
-    if (last_end >= 0 && last_end < p.sum_m) {
+    if (p.zero_tail && last_end >= 0 && last_end < p.sum_m) {
       zero_bytes(static_cast<char*>(p.out), last_end * row_bytes, p.sum_m * row_bytes, thread, threads);
     }
   }
@@ -296,11 +305,8 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
                           ws.take<typename Config::StrideD>(E),
                           ws.take<float>(E)};
 
-  const int64_t argument_blocks = std::max<int64_t>(1, (E + kPrologueThreads - 1) / kPrologueThreads);
-  const int64_t blocks = prologue_zeroes<Config>(p) ? std::max<int64_t>(argument_blocks, 4 * int64_t(p.sm_count))
-                                                    : argument_blocks;
-  launch_kernel(prepare_groups_kernel<Config>, dim3(static_cast<unsigned>(blocks)), dim3(kPrologueThreads), 0, stream,
-                p.pdl, p, arr);
+  launch_kernel(prepare_groups_kernel<Config>, prologue_grid<Config>(p), dim3(kPrologueThreads), 0, stream, p.pdl, p,
+                arr);
   if (E == 0) return;
 
   cutlass::KernelHardwareInfo hw_info;

@@ -31,8 +31,8 @@ def kernels_in_order(fn, iters):
 def short_name(name):
     if "GemmUniversal" in name:
         return "grouped GEMM (CUTLASS)"
-    for word in ("moe_sort", "moe_gather", "moe_swiglu", "moe_finalize", "prepare_groups", "moe_topk_softmax",
-                 "fp8_amax", "fp8_quantize", "fp8_scale_from_amax"):
+    for word in ("moe_route_and_sort", "moe_sort", "moe_gather", "moe_swiglu", "moe_finalize", "prepare_groups",
+                 "moe_topk_softmax", "fp8_amax", "fp8_quantize", "fp8_scale_from_amax"):
         if word in name:
             return word
     return name[:60]

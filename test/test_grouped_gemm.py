@@ -351,6 +351,7 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
     # T=1: 8 experts x 24 tiles of 128 rows fill 2 waves of 132 SMs to 73%; 64-row tiles 97%
     ("fwd_e4m3", 64, 8, 3072, 4096, "fwd_e4m3_swapab_ping_64x16x512_c1x1"),
     ("fwd", 64, 8, 3072, 4096, "fwd_bf16_swapab_ping_64x16x256_c1x1"),
+    ("fwd", 2, 64, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),     # 32 rows an expert: 128x32
     ("fwd_e4m3", 64, 8, 4096, 1536, "fwd_e4m3_swapab_coop_128x32x256_c1x1"),      # 256 tiles: 97% either way
     ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),  # 256 rows / expert
     ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),

@@ -64,7 +64,8 @@ def topk_reference(logits, k):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # On CUDA up to 64 tokens over up to 512 experts route and sort in one kernel, others in two.
-@pytest.mark.parametrize("t,e,k,shard", [(50, 64, 8, False), (50, 64, 8, True), (300, 64, 8, True), (20, 600, 4, False)])
+@pytest.mark.parametrize("t,e,k,shard", [(50, 64, 8, False), (50, 64, 8, True), (300, 64, 8, True),
+                                         (20, 600, 4, False)])
 def test_routing_from_logits_matches_reference(device, dtype, t, e, k, shard):
     logits = torch.randint(-4, 5, (t, e)).float()  # many ties: the lower id wins
     logits[0, :] = 1.0

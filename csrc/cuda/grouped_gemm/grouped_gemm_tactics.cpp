@@ -130,9 +130,11 @@ int sm_count() {
 // Decode (a few rows per expert, as many experts touched as routes): the weight tiles are the work
 // units, and few experts give few of them. Qwen3/StepFun fc1 at T=1 (8 experts, N=3072): 192 tiles
 // of 128 rows fill 132 SMs in 2 waves, the second 45% full (73% of the waves' capacity); 384 tiles
-// of 64 rows fill 97%. Halving the tile pays only when it fills the waves clearly better.
+// of 64 rows fill 97%. Halving the tile pays only when it fills the waves clearly better, and the
+// narrow tiles' 16 token columns hold an expert's rows (more would stream its weight tiles twice).
 bool narrow_weight_tiles_fill_better(const GroupedGemmShape& s) {
   const int64_t experts = std::max<int64_t>(1, std::min(s.num_groups, s.sum_m));
+  if (s.sum_m > 16 * experts) return false;
   const int64_t sms = sm_count();
   auto fill = [&](int64_t tile_rows) {
     const int64_t tiles = experts * ((s.n + tile_rows - 1) / tile_rows);

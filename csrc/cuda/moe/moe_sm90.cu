@@ -582,8 +582,8 @@ template <class T>
 __global__ void __launch_bounds__(kQuantThreads) fp8_amax_kernel(const T* x, int64_t n, unsigned* amax_bits) {
   pdl_wait();
   pdl_launch_dependents();
-  const unsigned m = __reduce_max_sync(0xffffffffu, amax_bits_strided(x, n, int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
-                                                                      int64_t(gridDim.x) * blockDim.x));
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const unsigned m = __reduce_max_sync(0xffffffffu, amax_bits_strided(x, n, first, int64_t(gridDim.x) * blockDim.x));
   if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(amax_bits, m);
 }
 

@@ -28,6 +28,14 @@ def kernels_in_order(fn, iters):
     return [(short_name(name), kus) for kus, name in spans], us
 
 
+def print_profile(label, us, floor_us, tflops, kernels):
+    """One profiled forward: the replay time against the weight floor, then its kernels."""
+    print(f"{label}: {us:8.1f} us per replay, weight floor {floor_us:6.1f} us (x{us / floor_us:.2f}), "
+          f"{tflops:6.1f} TFLOP/s; kernels in launch order (us):")
+    for kname, kus in kernels:
+        print(f"    {kus:8.1f}  {kname}")
+
+
 def short_name(name):
     if "GemmUniversal" in name:
         return "grouped GEMM (CUTLASS)"
@@ -62,10 +70,7 @@ def main():
             local = ids[(ids >= offset) & (ids < offset + e_local)]
             floor_us = max(local.unique().numel() * 3 * h * i * 2 / 4.8e12 * 1e6, 1e-9)
             tflops = 2 * local.numel() * 3 * h * i / us / 1e6
-            print(f"{name} T={t}: {us:8.1f} us per replay, weight floor {floor_us:6.1f} us (x{us / floor_us:.2f}), "
-                  f"{tflops:6.1f} TFLOP/s; kernels in launch order (us):")
-            for kname, kus in kernels:
-                print(f"    {kus:8.1f}  {kname}")
+            print_profile(f"{name} T={t}", us, floor_us, tflops, kernels)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 import cake_ops
 from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES, random_weights
 from cake_ops import stepfun_moe as sm
-from profile_fused_moe import kernels_in_order
+from profile_fused_moe import kernels_in_order, print_profile
 
 
 def main():
@@ -36,10 +36,7 @@ def main():
                 touched = torch.topk(logits, k, dim=-1).indices.unique().numel()
                 floor_us = touched * 3 * h * inter * weights.w1.element_size() / 4.8e12 * 1e6
                 tflops = 2 * t * k * 3 * h * inter / us / 1e6
-                print(f"{name} {family} T={t}: {us:8.1f} us per replay, weight floor {floor_us:6.1f} us "
-                      f"(x{us / floor_us:.2f}), {tflops:6.1f} TFLOP/s; kernels in launch order (us):")
-                for kname, kus in kernels:
-                    print(f"    {kus:8.1f}  {kname}")
+                print_profile(f"{name} {family} T={t}", us, floor_us, tflops, kernels)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def quantize_per_expert(w):
 def test_decode_kernel_matches_cpu(case, dtype, limits):
     t, k, e, e_local, offset = DECODE_CASES[case]
     fp8 = dtype == torch.float8_e4m3fn
-    x, ids, _, w1, w2 = moe_problem(t, k, e, e_local, 2560, 192, "cpu", torch.bfloat16 if fp8 else dtype)
+    x, ids, _, w1, w2 = moe_problem(t, k, e, e_local, 2560, 256, "cpu", torch.bfloat16 if fp8 else dtype)
     if case == "hot_expert":
         ids[:, 1] = torch.where(ids[:, 1] == 3, 4, ids[:, 1])
         ids[:, 0] = 3

@@ -1,12 +1,13 @@
 // Decode-sized MoE GEMMs: a few token rows per expert, so the GEMM is a stream of expert weights.
 // The grouped GEMM (TMA descriptors per group, a smem pipeline sized for large tiles) pays ~11 us
 // of fixed cost per launch there (benchmarks/NOTES.md, "The decode cost model"). Here one
-// warpgroup per 64 weight rows of one expert loads the weights from global memory straight into
-// wgmma's register A operand (16-byte loads, two steps in flight), and the expert's token rows
+// warpgroup per 64 weight rows of one expert streams the weights into wgmma's register A operand
+// (16-byte cp.async pieces, kStages steps of 16 KB in flight, each thread reading back its own:
+// registers alone held too few bytes in flight, ~3 TB/s), and the expert's token rows
 // (B, up to 32 per pass) wait in shared memory; GEMM1 gathers x rows itself and applies the
 // SwiGLU(Step) in its epilogue, so one launch replaces gather + grouped GEMM + SwiGLU.
 //
-// The 16-byte weight load of a thread is not the k order wgmma's A fragment wants: the kernel
+// The 16-byte weight piece of a thread is not the k order wgmma's A fragment wants: the kernel
 // permutes K instead (a dot product does not care), by storing B's K in the matching order. Per
 // 64-byte block of K, thread t of a row group loads bytes [16t, 16t + 16); its word j (4 bytes)
 // is the A fragment's k-chunk j (of 4 chunks of 16 bytes) at byte 4t. B's physical segment q
@@ -33,10 +34,12 @@ constexpr int kTileM = 64;                   // weight rows per CTA: one wgmma M
 constexpr int kRowsPerPass = 32;             // token rows per pass over the weights
 constexpr int kNBlocks = kRowsPerPass / 8;   // wgmma N = 8 each
 constexpr int kUnroll = 4;                   // 64-byte K blocks per pipeline step
+constexpr int kStages = 4;                   // weight steps in flight per CTA (cp.async ring)
+constexpr int kStageBytes = kThreads * kUnroll * 2 * 16;  // 16 KB: each thread's two rows
 constexpr int kBBytes = 32 * 1024;           // B (token rows) in shared memory
 constexpr int kTilePitch = kRowsPerPass + 1; // the epilogue's fp32 tile [64][32], padded
-constexpr int kSmemBytes = kBBytes + kTileM * kTilePitch * 4;
-static_assert(kSmemBytes <= 48 * 1024, "no opt-in for more dynamic shared memory");
+constexpr int kRingBytes = kStages * kStageBytes;
+constexpr int kSmemBytes = kRingBytes + kBBytes + kTileM * kTilePitch * 4;  // 2 CTAs per SM
 static_assert(kMoeDecodeStepBytes == 64 * kUnroll, "moe_decode_gemm_fits checks K by this step");
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -125,12 +128,32 @@ struct StepRegs {
   uint4 v[kUnroll][2];
 };
 
-__device__ __forceinline__ void load_step(StepRegs& r, const uint8_t* row0, const uint8_t* row1, int step) {
+// The weights reach shared memory by cp.async, kStages steps ahead: each thread copies its own
+// 16-byte pieces and later reads back only those (no barrier), laid out [u][row][thread] so that
+// both the copies and the 16-byte reads of a warp are conflict-free.
+__device__ __forceinline__ void copy_step(uint32_t ring, const uint8_t* row0, const uint8_t* row1, int step,
+                                          int steps) {
+  if (step < steps) {
+    const uint32_t slot = ring + (step % kStages) * kStageBytes + threadIdx.x * 16;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int off = (step * kUnroll + u) * 64;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u) * kThreads * 16), "l"(row0 + off)
+                   : "memory");
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u + 1) * kThreads * 16),
+                   "l"(row1 + off)
+                   : "memory");
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");  // empty groups keep the count uniform
+}
+
+__device__ __forceinline__ void read_step(StepRegs& r, const uint8_t* ring, int step) {
+  const uint8_t* slot = ring + (step % kStages) * kStageBytes + threadIdx.x * 16;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int off = (step * kUnroll + u) * 64;
-    r.v[u][0] = __ldg(reinterpret_cast<const uint4*>(row0 + off));
-    r.v[u][1] = __ldg(reinterpret_cast<const uint4*>(row1 + off));
+    r.v[u][0] = *reinterpret_cast<const uint4*>(slot + (2 * u) * kThreads * 16);
+    r.v[u][1] = *reinterpret_cast<const uint4*>(slot + (2 * u + 1) * kThreads * 16);
   }
 }
 
@@ -225,7 +248,7 @@ __device__ __forceinline__ void mma_step(const StepRegs& r, uint64_t desc0, uint
 // tile[weight row][token] (fp32).
 template <class T, bool kSwiGLU, int kBlocks>
 __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* row0, const uint8_t* row1,
-                             uint8_t* b, float* tile) {
+                             uint8_t* ring, uint8_t* b, float* tile) {
   const int steps = p.k_bytes / (64 * kUnroll);
   const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
   const uint32_t sbo16 = s.sbo >> 4;
@@ -241,11 +264,14 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
       for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(acc[nb][j]);
   };
 
-  // Two register stages: step i + 1's loads are in flight while step i's wgmmas run.
-  StepRegs regs0, regs1;
-  load_step(regs0, row0, row1, 0);
-  auto run_step = [&](StepRegs& cur, StepRegs& next, int step) {
-    if (step + 1 < steps) load_step(next, row0, row1, step + 1);
+  const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, row0, row1, i, steps);
+  StepRegs regs;
+  for (int step = 0; step < steps; ++step) {
+    copy_step(ring_addr, row0, row1, step + kStages - 1, steps);
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // this step's copies landed
+    read_step(regs, ring, step);
     const int local = step % s.chunk_steps;
     if (local == 0) {
       __syncthreads();  // the previous chunk's wgmmas (all warps) are done with B
@@ -254,16 +280,13 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
     }
     fence_acc();
     cute::warpgroup_arrive();
-    mma_step<T, kBlocks>(cur, desc0, sbo16, local, acc);
+    mma_step<T, kBlocks>(regs, desc0, sbo16, local, acc);
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
-    fence_regs(cur);
+    fence_regs(regs);
     fence_acc();
-  };
-  for (int step = 0; step < steps; step += 2) {
-    run_step(regs0, regs1, step);
-    if (step + 1 < steps) run_step(regs1, regs0, step + 1);
   }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
 
   __syncthreads();  // the previous pass's epilogue is done with the tile
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -279,10 +302,11 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
 }
 
 template <class T, bool kSwiGLU>
-__global__ void __launch_bounds__(kThreads, 3) moe_decode_gemm_kernel(DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodeParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* b = smem;
-  float* tile = reinterpret_cast<float*>(smem + kBBytes);
+  uint8_t* ring = smem;
+  uint8_t* b = smem + kRingBytes;
+  float* tile = reinterpret_cast<float*>(b + kBBytes);
   pdl_wait();
   pdl_launch_dependents();
   const int64_t kept = min64(p.offsets[p.num_experts], p.rows);
@@ -313,9 +337,9 @@ __global__ void __launch_bounds__(kThreads, 3) moe_decode_gemm_kernel(DecodePara
     s.chunk_steps = s.chunk_bytes / (64 * kUnroll);
     s.sbo = 8 * s.chunk_bytes;
     if (s.blocks == 1) {
-      pass_product<T, kSwiGLU, 1>(p, s, row0, row1, b, tile);
+      pass_product<T, kSwiGLU, 1>(p, s, row0, row1, ring, b, tile);
     } else {
-      pass_product<T, kSwiGLU, kNBlocks>(p, s, row0, row1, b, tile);
+      pass_product<T, kSwiGLU, kNBlocks>(p, s, row0, row1, ring, b, tile);
     }
     if constexpr (kSwiGLU) {
       // Columns 0-31 of the tile are up, 32-63 gate (w1 interleaved at 32 rows). h is rounded to
@@ -348,6 +372,9 @@ template <class T, bool kSwiGLU>
 void launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
   const int64_t slots = std::min<int64_t>(p.num_experts, p.rows);
   const dim3 grid(p.n / kTileM, static_cast<unsigned>(slots + (kSwiGLU ? 1 : 0)));
+  // Over 48 KB of dynamic shared memory needs the opt-in (per device: set at every launch).
+  C10_CUDA_CHECK(cudaFuncSetAttribute(moe_decode_gemm_kernel<T, kSwiGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kSmemBytes));
   launch_kernel(moe_decode_gemm_kernel<T, kSwiGLU>, grid, dim3(kThreads), kSmemBytes, stream, pdl, p);
 }
 

@@ -155,11 +155,13 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 }
 
 // The MoE GEMMs' decode kernel (moe_decode_sm90.cu) streams each expert's weights once for a few
-// token rows, at a fraction of the grouped GEMM's fixed cost. tactic -2 forces it; -1 takes it
-// for up to kMoeDecodeMaxRows rows (T * top_k), unless a grouped GEMM tactic is forced for the
-// family (benchmarks, the autotuner).
+// token rows with less fixed cost than the grouped GEMM, but streams slower once many experts
+// are busy (H200 sweep, benchmarks/NOTES.md: ahead at T = 1, 4-8% behind at T = 8 with top-8).
+// tactic -2 forces it; -1 takes it for up to kMoeDecodeMaxRows rows (T * top_k) when its grid
+// (one CTA per 64 weight rows of each possible expert) covers the SMs -- one CTA streams ~1/3 of
+// an SM's share -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner).
 constexpr int64_t kMoeDecodeTactic = -2;
-constexpr int64_t kMoeDecodeMaxRows = 64;
+constexpr int64_t kMoeDecodeMaxRows = 16;
 
 bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes, int64_t num_experts,
                        TacticFamily family, const char* op) {
@@ -171,7 +173,9 @@ bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes,
                 sm90::kMoeDecodeStepBytes, " == 0, got N=", n, " and ", k_bytes, " bytes of K");
     return true;
   }
-  return tactic == -1 && fits && rows <= kMoeDecodeMaxRows && tactic_override_sm90(family) < 0;
+  if (tactic != -1 || !fits || rows > kMoeDecodeMaxRows || tactic_override_sm90(family) >= 0) return false;
+  const int64_t ctas = std::min(rows, num_experts) * (n / 64);
+  return ctas >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
 sm90::MoeDecodeElement decode_element(const at::Tensor& a) {

@@ -1,6 +1,6 @@
 """Every tactic of the MoE GEMMs' family on the StepFun shapes: GEMM1 (gather, grouped GEMM, SwiGLUStep)
-and GEMM2, CUDA-graph replays timed in rotation, next to the heuristic's choice (tactic -1). For
-choosing a family's heuristic from measurements.
+and GEMM2, CUDA-graph replays timed in rotation, next to the automatic choice (tactic -1) and the
+decode kernel (tactic -2). For choosing a family's heuristic from measurements.
 
     python benchmarks/sweep_moe_gemm.py --shapes issue_geometry --families fp8 --tokens 8,2048,8192
 """
@@ -49,7 +49,7 @@ def main():
                                                             a_scale, weights.w2_scale)
                 for label, make, flops in (("gemm1", gemm1, 2 * t * k * 2 * inter * h),
                                            ("gemm2", gemm2, 2 * t * k * h * inter)):
-                    fns = {"heuristic": (make(-1), None)}
+                    fns = {"heuristic": (make(-1), None), "decode kernel": (make(-2), None)}
                     fns.update({tactic: (make(i), None) for i, tactic in enumerate(tactics)})
                     times = timer.many(fns, graph=True)
                     ranked = sorted((v, n) for n, v in times.items() if not isinstance(v, str))

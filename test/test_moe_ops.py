@@ -112,6 +112,78 @@ def test_cuda_stages_match_cpu_stages(case, dtype):
     assert torch.equal(into, out_cuda)
 
 
+# The decode kernel (tactic -2; chosen automatically for up to 16 rows) against the CPU ops: a hot
+# expert (two 32-row passes), an EP shard (dropped routes: zeroed tail rows), top-1, one token;
+# hidden 2560 bf16 stages B in several K chunks.
+DECODE_CASES = {"one_token": (1, 8, 64, 64, 0), "hot_expert": (40, 2, 8, 8, 0), "ep_shard": (12, 8, 64, 16, 16),
+                "top1": (5, 1, 16, 16, 0)}
+
+
+def decode_is_automatic(rows, num_experts, n):
+    """tactic -1's rule (moe_cuda.cpp): up to 16 rows, and a grid of CTAs that covers the SMs."""
+    return rows <= 16 and min(rows, num_experts) * (n // 64) >= torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def quantize_per_expert(w):
+    scale = w.float().abs().amax((1, 2)) / 448
+    return (w.float() / scale[:, None, None]).to(torch.float8_e4m3fn), scale
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("limits", [False, True])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_kernel_matches_cpu(case, dtype, limits):
+    t, k, e, e_local, offset = DECODE_CASES[case]
+    fp8 = dtype == torch.float8_e4m3fn
+    x, ids, _, w1, w2 = moe_problem(t, k, e, e_local, 2560, 256, "cpu", torch.bfloat16 if fp8 else dtype)
+    if case == "hot_expert":
+        ids[:, 1] = torch.where(ids[:, 1] == 3, 4, ids[:, 1])
+        ids[:, 0] = 3
+    w1 = interleave_up_gate_sm90(w1)
+    x_scale = w1_scale = w2_scale = None
+    if fp8:
+        x, x_scale = torch.ops.cake.quantize_fp8(x)
+        (w1, w1_scale), (w2, w2_scale) = quantize_per_expert(w1), quantize_per_expert(w2)
+    lim = torch.linspace(0.2, 2.0, e_local) if limits else None
+    _, offsets, p2e, _, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 64)
+    kept = int(offsets[-1])
+    cuda = [v.cuda() if v is not None else None for v in (x, w1, p2e, offsets, lim, x_scale, w1_scale)]
+
+    want = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, lim, -1, x_scale, w1_scale)
+    got = torch.ops.cake.moe_gemm1_swiglu(*cuda[:4], k, True, cuda[4], -2, *cuda[5:])
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(got[kept:].cpu(), torch.zeros_like(want[kept:]))
+    into = torch.full_like(got, float("nan"))
+    torch.ops.cake.moe_gemm1_swiglu_out(*cuda[:4], k, into, torch.empty(0, dtype=torch.uint8, device="cuda"), True,
+                                        cuda[4], -2, *cuda[5:])
+    assert torch.equal(into, got)
+    if decode_is_automatic(t * k, e_local, 2 * 256):
+        auto = torch.ops.cake.moe_gemm1_swiglu(*cuda[:4], k, True, cuda[4], -1, *cuda[5:])
+        assert torch.equal(auto, got)
+
+    a, a_scale = (torch.ops.cake.quantize_fp8(want) if fp8 else (want, None))
+    want2 = torch.ops.cake.moe_gemm2(a, w2, offsets, True, -1, a_scale, w2_scale)
+    args2 = [a.cuda(), w2.cuda(), offsets.cuda()]
+    scales2 = [v.cuda() if v is not None else None for v in (a_scale, w2_scale)]
+    got2 = torch.ops.cake.moe_gemm2(*args2, True, -2, *scales2)
+    torch.testing.assert_close(got2[:kept].cpu(), want2[:kept], rtol=2e-2, atol=2e-2)
+    if decode_is_automatic(t * k, e_local, 2560):
+        assert torch.equal(torch.ops.cake.moe_gemm2(*args2, True, -1, *scales2)[:kept], got2[:kept])
+
+
+@cuda_only
+def test_decode_kernel_rejects_what_it_cannot_run():
+    x, ids, _, w1, w2 = moe_problem(2, 2, 8, 8, 64, 96, "cuda")
+    _, offsets, p2e, _, _ = torch.ops.cake.moe_sort(ids, 8, 8, 0, 64)
+    inter = torch.randn(4, 96, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match=r"cake::moe_gemm2: tactic -2 \(the decode kernel\) needs N % 64 == 0 and "
+                                           r"K \* element_size % 256 == 0, got N=64 and 192 bytes of K"):
+        torch.ops.cake.moe_gemm2(inter, w2, offsets, True, -2)
+    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu: tactic must be -2 .* got -3"):
+        torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 2, True, None, -3)
+
+
 @cuda_only
 def test_cuda_kernels_reject_what_they_cannot_run():
     x, ids, scales, w1, w2 = moe_problem(4, 2, 8, 8, 64, 32, "cuda", dtype=torch.float32)

@@ -225,6 +225,10 @@ void clear_tuned_tactics() {
   g_tuned.clear();
 }
 
+int tactic_override_sm90(TacticFamily family) {
+  return g_override[static_cast<int>(family)].load(std::memory_order_relaxed);
+}
+
 void set_tactic_override(TacticFamily family, int tactic) {
   const int count = static_cast<int>(tactics_sm90(family).size());
   TORCH_CHECK(tactic >= -1 && tactic < count, "set_grouped_gemm_tactic: tactic must be -1 or in [0, ",

@@ -37,5 +37,7 @@ void clear_tuned_tactics();
 // Force a tactic for every later launch of the family (-1: back to the heuristic). For
 // benchmarks and the autotuner; a CUDA graph keeps the tactic it captured.
 void set_tactic_override(TacticFamily family, int tactic);
+// The forced tactic of the family, or -1.
+int tactic_override_sm90(TacticFamily family);
 
 }  // namespace cake

@@ -9,6 +9,7 @@
 #include "cuda/common/alignment.h"
 #include "cuda/common/arch.h"
 #include "cuda/grouped_gemm/grouped_gemm_cuda.h"
+#include "cuda/grouped_gemm/grouped_gemm_tactics.h"
 #include "cuda/moe/moe_kernels.h"
 #include "grouped_gemm_checks.h"
 #include "moe_checks.h"
@@ -153,6 +154,36 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
                tile_size, o, workspace, op);
 }
 
+// The MoE GEMMs' decode kernel (moe_decode_sm90.cu) streams each expert's weights once for a few
+// token rows with less fixed cost than the grouped GEMM, but streams slower once many experts
+// are busy (H200 sweep, benchmarks/NOTES.md: ahead at T = 1, 4-8% behind at T = 8 with top-8).
+// tactic -2 forces it; -1 takes it for up to kMoeDecodeMaxRows rows (T * top_k) when its grid
+// (one CTA per 64 weight rows of each possible expert) covers the SMs -- one CTA streams ~1/3 of
+// an SM's share -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner).
+constexpr int64_t kMoeDecodeTactic = -2;
+constexpr int64_t kMoeDecodeMaxRows = 16;
+
+bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes, int64_t num_experts,
+                       TacticFamily family, const char* op) {
+  TORCH_CHECK(tactic >= kMoeDecodeTactic, op, ": tactic must be -2 (the decode kernel), -1 (automatic) or a grouped "
+              "GEMM tactic >= 0, got ", tactic);
+  const bool fits = sm90::moe_decode_gemm_fits(n, k_bytes, num_experts);
+  if (tactic == kMoeDecodeTactic) {
+    TORCH_CHECK(fits, op, ": tactic -2 (the decode kernel) needs N % 64 == 0 and K * element_size % ",
+                sm90::kMoeDecodeStepBytes, " == 0, got N=", n, " and ", k_bytes, " bytes of K");
+    return true;
+  }
+  if (tactic != -1 || !fits || rows > kMoeDecodeMaxRows || tactic_override_sm90(family) >= 0) return false;
+  const int64_t ctas = std::min(rows, num_experts) * (n / 64);
+  return ctas >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+sm90::MoeDecodeElement decode_element(const at::Tensor& a) {
+  return a.scalar_type() == at::kBFloat16 ? sm90::MoeDecodeElement::kBFloat16
+         : a.scalar_type() == at::kHalf   ? sm90::MoeDecodeElement::kHalf
+                                          : sm90::MoeDecodeElement::kE4m3;
+}
+
 // GEMM1 into `out`: gather, grouped GEMM, SwiGLU, their buffers carved out of one byte workspace
 // (moe_gemm1_workspace); an empty workspace is allocated here (one-shot calls, traced code).
 void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
@@ -175,21 +206,46 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   c10::cuda::CUDAGuard guard(x_in.device());
   select_kernel_arch(x_in.get_device(), op);
   const auto x = x_in.contiguous();
+  TORCH_CHECK(aligned16(x) && aligned16(out), op, ": x and out must be 16-byte aligned");
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device());
+  const auto h_dtype = moe_gemm_out_dtype(x);
+  // A caller's workspace is checked whichever kernel runs (the decode kernel needs none).
   const auto layout = moe_gemm1_workspace(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
+  TORCH_CHECK(workspace_in.numel() == 0 ||
+                  (workspace_in.scalar_type() == at::kByte && workspace_in.dim() == 1 && workspace_in.is_contiguous() &&
+                   workspace_in.numel() >= layout.total && workspace_in.device() == x.device() &&
+                   aligned16(workspace_in)),
+              op, ": workspace must be a contiguous uint8 tensor of at least ", layout.total, " bytes on ", x.device(),
+              " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace_in.scalar_type(), " ", workspace_in.sizes(),
+              " on ", workspace_in.device());
+  if (use_decode_kernel(tactic, s.rows, w1.size(1), x.size(1) * x.element_size(), w1.size(0),
+                        tactic_family(GroupedGemmOp::kFwd, x.scalar_type(), h_dtype), op)) {
+    TORCH_CHECK(aligned16(w1), op, ": w1 must be 16-byte aligned");
+    at::Tensor w1_scale_contiguous = w1_scale ? w1_scale->contiguous() : at::Tensor();
+    sm90::MoeDecodeGemmArgs a;
+    a.a = x.data_ptr();
+    a.a_rows = s.rows;
+    a.permuted_to_expanded = permuted_to_expanded.data_ptr<int32_t>();
+    a.top_k = static_cast<int>(top_k);
+    a.w = w1.data_ptr();
+    a.offsets = expert_offsets.data_ptr<int32_t>();
+    a.num_experts = static_cast<int>(w1.size(0));
+    a.rows = s.rows;
+    a.n = w1.size(1);
+    a.k_bytes = x.size(1) * x.element_size();
+    a.a_scale = x_scale ? x_scale->data_ptr<float>() : nullptr;
+    a.w_scale = w1_scale ? w1_scale_contiguous.data_ptr<float>() : nullptr;
+    a.limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
+    a.out = out.data_ptr();
+    sm90::moe_decode_gemm(a, decode_element(x), /*swiglu=*/true, stream, enable_pdl);
+    return;
+  }
   const auto workspace =
       workspace_in.numel() == 0 ? at::empty({layout.total}, x.options().dtype(at::kByte)) : workspace_in;
-  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
-                  workspace.numel() >= layout.total && workspace.device() == x.device() && aligned16(workspace),
-              op, ": workspace must be a contiguous uint8 tensor of at least ", layout.total, " bytes on ", x.device(),
-              " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace.scalar_type(), " ", workspace.sizes(), " on ",
-              workspace.device());
-  TORCH_CHECK(aligned16(x) && aligned16(out), op, ": x and out must be 16-byte aligned");
   auto gathered = workspace.narrow(0, 0, layout.gathered_bytes).view(x.scalar_type()).view({s.rows, x.size(1)});
-  const auto h_dtype = moe_gemm_out_dtype(x);
   auto h = workspace.narrow(0, layout.h_offset, layout.h_bytes).view(h_dtype).view({s.rows, 2 * s.intermediate});
   auto gemm_workspace = workspace.narrow(0, layout.gemm_offset, layout.gemm_bytes);
 
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device());
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
   sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
                         static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
@@ -236,6 +292,30 @@ void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::
   check_moe_gemm_scales(intermediate, a_scale, w2_scale, w2.size(0), "intermediate", op);
   c10::cuda::CUDAGuard guard(intermediate.device());
   at::Tensor w2_scale_contiguous;
+  if (use_decode_kernel(tactic, shape.sum_m, shape.n, shape.k * intermediate.element_size(), shape.num_groups,
+                        tactic_family(GroupedGemmOp::kFwd, intermediate.scalar_type(), out.scalar_type()), op)) {
+    select_kernel_arch(intermediate.get_device(), op);
+    const auto a_in = intermediate.contiguous();
+    TORCH_CHECK(w2.is_contiguous() && expert_offsets.is_contiguous() && aligned16(a_in) && aligned16(out) &&
+                    aligned16(w2),
+                op, ": the decode kernel needs contiguous, 16-byte aligned operands");
+    if (w2_scale) w2_scale_contiguous = w2_scale->contiguous();
+    sm90::MoeDecodeGemmArgs a;
+    a.a = a_in.data_ptr();
+    a.a_rows = shape.sum_m;
+    a.w = w2.data_ptr();
+    a.offsets = expert_offsets.data_ptr<int32_t>();
+    a.num_experts = static_cast<int>(shape.num_groups);
+    a.rows = shape.sum_m;
+    a.n = shape.n;
+    a.k_bytes = shape.k * intermediate.element_size();
+    a.a_scale = a_scale ? a_scale->data_ptr<float>() : nullptr;
+    a.w_scale = w2_scale ? w2_scale_contiguous.data_ptr<float>() : nullptr;
+    a.out = out.data_ptr();
+    sm90::moe_decode_gemm(a, decode_element(intermediate), /*swiglu=*/false,
+                          at::cuda::getCurrentCUDAStream(intermediate.get_device()), enable_pdl);
+    return;
+  }
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, intermediate, w2, expert_offsets, out, op, enable_pdl,
                         /*zero_tail=*/false, tactic, workspace, gemm_scales(a_scale, w2_scale, w2_scale_contiguous));
 }

@@ -67,6 +67,36 @@ void moe_route_and_sort(const void* logits, FloatType type, int64_t tokens, int 
 void fp8_quantize(const void* x, FloatType type, int64_t n, const float* scale, void* out, float* scale_out,
                   cudaStream_t stream, bool pdl);
 
+// Decode-sized MoE GEMMs (moe_decode_sm90.cu): out rows of expert e = a rows [offsets[e],
+// offsets[e+1]) @ w[e].T, the weights streamed once into wgmma registers, for few rows per expert.
+// GEMM1 (swiglu): a = x [tokens, K] read through permuted_to_expanded[p] / top_k (indices checked
+// against `a_rows` = tokens * top_k routes), out [rows, n / 2] = SwiGLU(Step) of the product
+// rounded to the output type (as moe_swiglu over the grouped GEMM's h), rows past the last expert
+// zeroed. GEMM2: a = [rows, K], out [rows, n], rows past the last expert unwritten. Output
+// bfloat16 (float16 for float16 inputs); fp8: the product scaled by a_scale * w_scale[e] first.
+constexpr int64_t kMoeDecodeStepBytes = 256;
+enum class MoeDecodeElement { kBFloat16, kHalf, kE4m3 };
+struct MoeDecodeGemmArgs {
+  const void* a = nullptr;
+  int64_t a_rows = 0;
+  const int32_t* permuted_to_expanded = nullptr;  // GEMM1 only
+  int top_k = 1;
+  const void* w = nullptr;  // [E, n, K]
+  const int32_t* offsets = nullptr;
+  int num_experts = 0;
+  int64_t rows = 0;
+  int64_t n = 0;
+  int64_t k_bytes = 0;
+  const float* a_scale = nullptr;  // fp8
+  const float* w_scale = nullptr;  // fp8, [E]
+  const float* limits = nullptr;   // GEMM1's SwiGLUStep, [E]
+  void* out = nullptr;
+};
+// The shapes the decode kernel takes: n % 64 == 0 and K bytes % kMoeDecodeStepBytes == 0.
+bool moe_decode_gemm_fits(int64_t n, int64_t k_bytes, int64_t num_experts);
+void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool swiglu, cudaStream_t stream,
+                     bool pdl);
+
 // out[t] = sum_j scales[t, j] * rows[expanded_to_permuted[t * top_k + j]] over kept routes, in
 // fp32 in route order (bitwise reproducible), rounded once. A route index outside
 // [-1, num_rows) is a device-side error.

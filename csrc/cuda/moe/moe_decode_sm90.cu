@@ -1,0 +1,416 @@
+// Decode-sized MoE GEMMs: a few token rows per expert, so the GEMM is a stream of expert weights.
+// The grouped GEMM (TMA descriptors per group, a smem pipeline sized for large tiles) pays ~11 us
+// of fixed cost per launch there (benchmarks/NOTES.md, "The decode cost model"). Here one
+// warpgroup per 64 weight rows of one expert streams the weights into wgmma's register A operand
+// (16-byte cp.async pieces, kStages steps of 16 KB in flight, each thread reading back its own:
+// registers alone held too few bytes in flight, ~3 TB/s), and the expert's token rows
+// (B, up to 32 per pass) wait in shared memory; GEMM1 gathers x rows itself and applies the
+// SwiGLU(Step) in its epilogue, so one launch replaces gather + grouped GEMM + SwiGLU.
+//
+// The 16-byte weight piece of a thread is not the k order wgmma's A fragment wants: the kernel
+// permutes K instead (a dot product does not care), by storing B's K in the matching order. Per
+// 64-byte block of K, thread t of a row group loads bytes [16t, 16t + 16); its word j (4 bytes)
+// is the A fragment's k-chunk j (of 4 chunks of 16 bytes) at byte 4t. B's physical segment q
+// (16 bytes) therefore goes word by word to smem k-chunk j, byte 4q.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cassert>
+#include <climits>
+#include <cmath>
+
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "cuda/common/pdl.cuh"
+#include "cuda/moe/moe_kernels.h"
+
+namespace cake::sm90 {
+namespace {
+
+constexpr int kThreads = 128;                // one warpgroup
+constexpr int kTileM = 64;                   // weight rows per CTA: one wgmma M
+constexpr int kRowsPerPass = 32;             // token rows per pass over the weights
+constexpr int kNBlocks = kRowsPerPass / 8;   // wgmma N = 8 each
+constexpr int kUnroll = 4;                   // 64-byte K blocks per pipeline step
+constexpr int kStages = 4;                   // weight steps in flight per CTA (cp.async ring)
+constexpr int kStageBytes = kThreads * kUnroll * 2 * 16;  // 16 KB: each thread's two rows
+constexpr int kBBytes = 32 * 1024;           // B (token rows) in shared memory
+constexpr int kTilePitch = kRowsPerPass + 1; // the epilogue's fp32 tile [64][32], padded
+constexpr int kRingBytes = kStages * kStageBytes;
+constexpr int kSmemBytes = kRingBytes + kBBytes + kTileM * kTilePitch * 4;  // 2 CTAs per SM
+static_assert(kMoeDecodeStepBytes == 64 * kUnroll, "moe_decode_gemm_fits checks K by this step");
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+template <class T>
+struct DecodeMma;
+template <>
+struct DecodeMma<__nv_bfloat16> {
+  using Out = __nv_bfloat16;
+  static __device__ __forceinline__ void fma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc,
+                                             float (&d)[4]) {
+    cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
+        a0, a1, a2, a3, desc, d[0], d[1], d[2], d[3]);
+  }
+  static __device__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+  static __device__ void store2(void* p, float a, float b) {
+    *static_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+  }
+};
+template <>
+struct DecodeMma<__half> {
+  static __device__ __forceinline__ void fma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc,
+                                             float (&d)[4]) {
+    cute::SM90::GMMA::MMA_64x8x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
+        a0, a1, a2, a3, desc, d[0], d[1], d[2], d[3]);
+  }
+  static __device__ float round(float v) { return __half2float(__float2half_rn(v)); }
+  static __device__ void store2(void* p, float a, float b) { *static_cast<__half2*>(p) = __floats2half2_rn(a, b); }
+};
+struct E4m3 {};  // float8_e4m3fn: k32 per 32 bytes, bfloat16 output
+template <>
+struct DecodeMma<E4m3> {
+  static __device__ __forceinline__ void fma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc,
+                                             float (&d)[4]) {
+    cute::SM90::GMMA::MMA_64x8x32_F32E4M3E4M3_RS_TN<>::fma(a0, a1, a2, a3, desc, d[0], d[1], d[2], d[3]);
+  }
+  static __device__ float round(float v) { return DecodeMma<__nv_bfloat16>::round(v); }
+  static __device__ void store2(void* p, float a, float b) { DecodeMma<__nv_bfloat16>::store2(p, a, b); }
+};
+
+// The index of the n-th (from 0) expert with rows, or -1. Every warp computes it (no barrier).
+__device__ int nth_expert_with_rows(const int32_t* offsets, int num_experts, int n) {
+  const int lane = threadIdx.x % 32;
+  constexpr int kPerLane = 8;
+  for (int base = 0; base < num_experts; base += 32 * kPerLane) {
+    int32_t lo[kPerLane], hi[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int e = base + 32 * i + lane;
+      lo[i] = e < num_experts ? offsets[e] : 0;
+      hi[i] = e < num_experts ? offsets[e + 1] : 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      unsigned mask = __ballot_sync(0xffffffffu, hi[i] > lo[i]);
+      const int count = __popc(mask);
+      if (n < count) {
+        for (int j = 0; j < n; ++j) mask &= mask - 1;
+        return base + 32 * i + __ffs(mask) - 1;
+      }
+      n -= count;
+    }
+  }
+  return -1;
+}
+
+struct DecodeParams {
+  const uint8_t* a = nullptr;                   // token rows, k_bytes each
+  int64_t a_rows = 0;                           // rows of a (GEMM1: tokens * top_k routes bound the index)
+  const int32_t* permuted_to_expanded = nullptr;  // GEMM1: row p reads a[permuted_to_expanded[p] / top_k]
+  int top_k = 1;
+  const uint8_t* w = nullptr;                   // [E, n, k_bytes]
+  const int32_t* offsets = nullptr;             // [E + 1]
+  int num_experts = 0;
+  int64_t rows = 0;                             // output rows
+  int n = 0;                                    // weight rows per expert
+  int k_bytes = 0;
+  const float* a_scale = nullptr;               // fp8: alpha = a_scale * w_scale[e]
+  const float* w_scale = nullptr;
+  const float* limits = nullptr;                // SwiGLUStep's per-expert limit
+  void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
+};
+
+// One pipeline step's weights: kUnroll 64-byte blocks of the thread's two rows (g and g + 8).
+struct StepRegs {
+  uint4 v[kUnroll][2];
+};
+
+// The weights reach shared memory by cp.async, kStages steps ahead: each thread copies its own
+// 16-byte pieces and later reads back only those (no barrier), laid out [u][row][thread] so that
+// both the copies and the 16-byte reads of a warp are conflict-free.
+__device__ __forceinline__ void copy_step(uint32_t ring, const uint8_t* row0, const uint8_t* row1, int step,
+                                          int steps) {
+  if (step < steps) {
+    const uint32_t slot = ring + (step % kStages) * kStageBytes + threadIdx.x * 16;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int off = (step * kUnroll + u) * 64;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u) * kThreads * 16), "l"(row0 + off)
+                   : "memory");
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u + 1) * kThreads * 16),
+                   "l"(row1 + off)
+                   : "memory");
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");  // empty groups keep the count uniform
+}
+
+__device__ __forceinline__ void read_step(StepRegs& r, const uint8_t* ring, int step) {
+  const uint8_t* slot = ring + (step % kStages) * kStageBytes + threadIdx.x * 16;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    r.v[u][0] = *reinterpret_cast<const uint4*>(slot + (2 * u) * kThreads * 16);
+    r.v[u][1] = *reinterpret_cast<const uint4*>(slot + (2 * u + 1) * kThreads * 16);
+  }
+}
+
+__device__ __forceinline__ void fence_regs(StepRegs& r) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      cute::warpgroup_fence_operand(r.v[u][h].x);
+      cute::warpgroup_fence_operand(r.v[u][h].y);
+      cute::warpgroup_fence_operand(r.v[u][h].z);
+      cute::warpgroup_fence_operand(r.v[u][h].w);
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// The pass state: where B lives and how it is chunked along K.
+struct Pass {
+  int64_t first_row;    // output row of token column 0
+  int rows;             // token rows in this pass (<= kRowsPerPass)
+  int blocks;           // active wgmma N blocks
+  int chunk_bytes;      // K bytes staged at a time
+  int chunk_steps;
+  uint32_t sbo;         // bytes between 8-row groups of B
+};
+
+template <bool kGather>
+__device__ void stage_b(const DecodeParams& p, const Pass& s, int chunk, uint8_t* b) {
+  const int begin = chunk * s.chunk_bytes;
+  const int bytes = min(s.chunk_bytes, p.k_bytes - begin);
+  const int segments = bytes / 16;
+  for (int i = threadIdx.x; i < s.rows * segments; i += kThreads) {
+    const int n = i / segments, seg = i % segments;
+    const int64_t row = s.first_row + n;
+    int64_t src_row = row;
+    if constexpr (kGather) {
+      const int32_t expanded = p.permuted_to_expanded[row];
+      if (expanded < 0 || expanded >= p.a_rows) {
+        __assert_fail("cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices in [0, num_tokens * "
+                      "top_k) for the rows below expert_offsets[E]", __FILE__, __LINE__, __func__);
+      }
+      src_row = expanded / p.top_k;
+    }
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.a + src_row * p.k_bytes + begin) + seg);
+    const int block = seg / 4, q = seg % 4;
+    uint8_t* dst = b + (n / 8) * s.sbo + (4 * block) * 128 + (n % 8) * 16 + 4 * q;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(dst + j * 128) = word(v, j);
+  }
+  // Generic-proxy stores, then wgmma (async proxy) reads.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// The B descriptor of 16-byte K chunk 0 of the staged chunk: no swizzle, K-major; chunk c of
+// 8-row group nb starts (nb * sbo + c * 128) bytes further, added to the low (address) bits.
+__device__ __forceinline__ uint64_t b_descriptor(uint32_t b_addr, uint32_t sbo) {
+  cute::GmmaDescriptor desc;
+  desc.bitfield.start_address_ = static_cast<uint16_t>(b_addr >> 4);
+  desc.bitfield.leading_byte_offset_ = 128 >> 4;  // the next 16 bytes of K
+  desc.bitfield.stride_byte_offset_ = static_cast<uint16_t>(sbo >> 4);
+  desc.bitfield.base_offset_ = 0;
+  desc.bitfield.layout_type_ = 0;  // no swizzle
+  return desc.desc_;
+}
+
+template <class T, int kBlocks>
+__device__ __forceinline__ void mma_step(const StepRegs& r, uint64_t desc0, uint32_t sbo16, int local_step,
+                                         float (&acc)[kBlocks][4]) {
+  uint64_t step_desc = desc0 + uint64_t(local_step * kUnroll * 4 * (128 >> 4));
+  // Opaque to the compiler, so it derives each descriptor here instead of keeping all 8 * kBlocks
+  // of them live across the loop (register spills).
+  asm volatile("mov.b64 %0, %0;" : "+l"(step_desc));
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // two k-steps of 32 bytes per 64-byte block
+#pragma unroll
+      for (int nb = 0; nb < kBlocks; ++nb) {
+        const uint64_t desc = step_desc + uint64_t((4 * u + 2 * half) * (128 >> 4) + nb * sbo16);
+        DecodeMma<T>::fma(word(r.v[u][0], 2 * half), word(r.v[u][1], 2 * half), word(r.v[u][0], 2 * half + 1),
+                          word(r.v[u][1], 2 * half + 1), desc, acc[nb]);
+      }
+    }
+  }
+}
+
+// One pass over the expert's weights for s.rows <= 8 * kBlocks token rows: the sums land in
+// tile[weight row][token] (fp32).
+template <class T, bool kSwiGLU, int kBlocks>
+__device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* row0, const uint8_t* row1,
+                             uint8_t* ring, uint8_t* b, float* tile) {
+  const int steps = p.k_bytes / (64 * kUnroll);
+  const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
+  const uint32_t sbo16 = s.sbo >> 4;
+  float acc[kBlocks][4];
+#pragma unroll
+  for (int nb = 0; nb < kBlocks; ++nb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[nb][j] = 0.0f;
+  auto fence_acc = [&] {
+#pragma unroll
+    for (int nb = 0; nb < kBlocks; ++nb)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(acc[nb][j]);
+  };
+
+  const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, row0, row1, i, steps);
+  StepRegs regs;
+  for (int step = 0; step < steps; ++step) {
+    copy_step(ring_addr, row0, row1, step + kStages - 1, steps);
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // this step's copies landed
+    read_step(regs, ring, step);
+    const int local = step % s.chunk_steps;
+    if (local == 0) {
+      __syncthreads();  // the previous chunk's wgmmas (all warps) are done with B
+      stage_b<kSwiGLU>(p, s, step / s.chunk_steps, b);
+      __syncthreads();
+    }
+    fence_acc();
+    cute::warpgroup_arrive();
+    mma_step<T, kBlocks>(regs, desc0, sbo16, local, acc);
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(regs);
+    fence_acc();
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+
+  __syncthreads();  // the previous pass's epilogue is done with the tile
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nb = 0; nb < kBlocks; ++nb) {
+    const int r = 16 * warp + g, c = nb * 8 + 2 * t;
+    tile[r * kTilePitch + c] = acc[nb][0];
+    tile[r * kTilePitch + c + 1] = acc[nb][1];
+    tile[(r + 8) * kTilePitch + c] = acc[nb][2];
+    tile[(r + 8) * kTilePitch + c + 1] = acc[nb][3];
+  }
+  __syncthreads();
+}
+
+template <class T, bool kSwiGLU>
+__global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodeParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;
+  uint8_t* b = smem + kRingBytes;
+  float* tile = reinterpret_cast<float*>(b + kBBytes);
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t kept = min64(p.offsets[p.num_experts], p.rows);
+  const int m_tile = blockIdx.x;
+  if (kSwiGLU && blockIdx.y == gridDim.y - 1) {
+    // The last slot row zeroes the rows that belong to no expert (the op's contract).
+    const int inter = p.n / 2;
+    for (int64_t i = kept * 16 + threadIdx.x; i < p.rows * 16; i += kThreads) {
+      const int64_t row = i / 16;
+      *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(p.out) + (row * inter + m_tile * 32) * 2 + (i % 16) * 4) = 0;
+    }
+    return;
+  }
+  const int e = nth_expert_with_rows(p.offsets, p.num_experts, blockIdx.y);
+  if (e < 0) return;
+  const int64_t row_begin = p.offsets[e], row_end = min64(p.offsets[e + 1], kept);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const uint8_t* row0 = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * warp + g) * p.k_bytes + 16 * t;
+  const uint8_t* row1 = row0 + 8 * int64_t(p.k_bytes);
+  const float alpha = (p.a_scale ? *p.a_scale : 1.0f) * (p.w_scale ? p.w_scale[e] : 1.0f);
+
+  for (int64_t first = row_begin; first < row_end; first += kRowsPerPass) {
+    Pass s;
+    s.first_row = first;
+    s.rows = static_cast<int>(min64(kRowsPerPass, row_end - first));
+    s.blocks = s.rows <= 8 ? 1 : kNBlocks;  // two variants: more spill registers (ptxas)
+    s.chunk_bytes = min(p.k_bytes, kBBytes / (8 * s.blocks) / (64 * kUnroll) * (64 * kUnroll));
+    s.chunk_steps = s.chunk_bytes / (64 * kUnroll);
+    s.sbo = 8 * s.chunk_bytes;
+    if (s.blocks == 1) {
+      pass_product<T, kSwiGLU, 1>(p, s, row0, row1, ring, b, tile);
+    } else {
+      pass_product<T, kSwiGLU, kNBlocks>(p, s, row0, row1, ring, b, tile);
+    }
+    if constexpr (kSwiGLU) {
+      // Columns 0-31 of the tile are up, 32-63 gate (w1 interleaved at 32 rows). h is rounded to
+      // the output type first, as the grouped GEMM path stores it, then the activation in fp32.
+      const int inter = p.n / 2;
+      const float limit = p.limits ? p.limits[e] : 0.0f;
+      for (int i = threadIdx.x; i < s.rows * 16; i += kThreads) {
+        const int n = i / 16, j = 2 * (i % 16);
+        float r[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float up = DecodeMma<T>::round(alpha * tile[(j + c) * kTilePitch + n]);
+          const float gate = DecodeMma<T>::round(alpha * tile[(32 + j + c) * kTilePitch + n]);
+          const float silu = __fdiv_rn(gate, 1.0f + expf(-gate));
+          r[c] = p.limits ? __fmul_rn(fminf(silu, limit), fmaxf(fminf(up, limit), -limit)) : __fmul_rn(silu, up);
+        }
+        DecodeMma<T>::store2(static_cast<uint8_t*>(p.out) + ((first + n) * inter + m_tile * 32 + j) * 2, r[0], r[1]);
+      }
+    } else {
+      for (int i = threadIdx.x; i < s.rows * 32; i += kThreads) {
+        const int n = i / 32, r = 2 * (i % 32);
+        DecodeMma<T>::store2(static_cast<uint8_t*>(p.out) + ((first + n) * int64_t(p.n) + m_tile * kTileM + r) * 2,
+                             alpha * tile[r * kTilePitch + n], alpha * tile[(r + 1) * kTilePitch + n]);
+      }
+    }
+  }
+}
+
+template <class T, bool kSwiGLU>
+void launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
+  const int64_t slots = std::min<int64_t>(p.num_experts, p.rows);
+  const dim3 grid(p.n / kTileM, static_cast<unsigned>(slots + (kSwiGLU ? 1 : 0)));
+  // Over 48 KB of dynamic shared memory needs the opt-in (per device: set at every launch).
+  C10_CUDA_CHECK(cudaFuncSetAttribute(moe_decode_gemm_kernel<T, kSwiGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kSmemBytes));
+  launch_kernel(moe_decode_gemm_kernel<T, kSwiGLU>, grid, dim3(kThreads), kSmemBytes, stream, pdl, p);
+}
+
+}  // namespace
+
+bool moe_decode_gemm_fits(int64_t n, int64_t k_bytes, int64_t num_experts) {
+  return n > 0 && n % 64 == 0 && n <= INT_MAX && k_bytes > 0 && k_bytes % kMoeDecodeStepBytes == 0 &&
+         k_bytes <= INT_MAX / 2 && num_experts < 65535;
+}
+
+void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool swiglu, cudaStream_t stream,
+                     bool pdl) {
+  if (a.rows == 0) return;
+  DecodeParams p;
+  p.a = static_cast<const uint8_t*>(a.a);
+  p.a_rows = a.a_rows;
+  p.permuted_to_expanded = a.permuted_to_expanded;
+  p.top_k = a.top_k;
+  p.w = static_cast<const uint8_t*>(a.w);
+  p.offsets = a.offsets;
+  p.num_experts = a.num_experts;
+  p.rows = a.rows;
+  p.n = static_cast<int>(a.n);
+  p.k_bytes = static_cast<int>(a.k_bytes);
+  p.a_scale = a.a_scale;
+  p.w_scale = a.w_scale;
+  p.limits = a.limits;
+  p.out = a.out;
+  switch (element) {
+    case MoeDecodeElement::kBFloat16:
+      return swiglu ? launch<__nv_bfloat16, true>(p, stream, pdl) : launch<__nv_bfloat16, false>(p, stream, pdl);
+    case MoeDecodeElement::kHalf:
+      return swiglu ? launch<__half, true>(p, stream, pdl) : launch<__half, false>(p, stream, pdl);
+    case MoeDecodeElement::kE4m3:
+      return swiglu ? launch<E4m3, true>(p, stream, pdl) : launch<E4m3, false>(p, stream, pdl);
+  }
+}
+
+}  // namespace cake::sm90

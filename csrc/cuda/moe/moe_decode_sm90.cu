@@ -48,7 +48,6 @@ template <class T>
 struct DecodeMma;
 template <>
 struct DecodeMma<__nv_bfloat16> {
-  using Out = __nv_bfloat16;
   static __device__ __forceinline__ void fma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc,
                                              float (&d)[4]) {
     cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(

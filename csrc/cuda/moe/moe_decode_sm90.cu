@@ -192,14 +192,7 @@ __device__ void stage_b(const DecodeParams& p, const Pass& s, int chunk, uint8_t
     const int n = i / segments, seg = i % segments;
     const int64_t row = s.first_row + n;
     int64_t src_row = row;
-    if constexpr (kGather) {
-      const int32_t expanded = p.permuted_to_expanded[row];
-      if (expanded < 0 || expanded >= p.a_rows) {
-        __assert_fail("cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices in [0, num_tokens * "
-                      "top_k) for the rows below expert_offsets[E]", __FILE__, __LINE__, __func__);
-      }
-      src_row = expanded / p.top_k;
-    }
+    if constexpr (kGather) src_row = p.permuted_to_expanded[row] / p.top_k;  // checked before any wgmma
     const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.a + src_row * p.k_bytes + begin) + seg);
     const int block = seg / 4, q = seg % 4;
     uint8_t* dst = b + (n / 8) * s.sbo + (4 * block) * 128 + (n % 8) * 16 + 4 * q;
@@ -322,6 +315,17 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodePara
   const int e = nth_expert_with_rows(p.offsets, p.num_experts, blockIdx.y);
   if (e < 0) return;
   const int64_t row_begin = p.offsets[e], row_end = min64(p.offsets[e + 1], kept);
+  if constexpr (kSwiGLU) {
+    // The gather's indices, checked before any wgmma. WIP trade-off: any call in the kernel (the
+    // gather kernel's __assert_fail with its message) makes ptxas serialize every wgmma (C7510);
+    // __trap() is no call but reports only "unspecified launch failure".
+    for (int64_t row = row_begin + threadIdx.x; row < row_end; row += kThreads) {
+      const int32_t expanded = p.permuted_to_expanded[row];
+      if (expanded < 0 || expanded >= p.a_rows) {
+        __trap();
+      }
+    }
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const uint8_t* row0 = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * warp + g) * p.k_bytes + 16 * t;
   const uint8_t* row1 = row0 + 8 * int64_t(p.k_bytes);

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import cake_ops
 from cake_ops.fused_moe import fused_moe_bf16, interleave_up_gate_sm90
-from bench_grouped_gemm import HBM_TBPS, Timer, fmt, geomean
+from bench_grouped_gemm import HBM_TBPS, Timer, fmt, geomean, seed_case
 
 # (E total, top_k, hidden, intermediate, E local, local expert offset)
 MODELS = {
@@ -80,11 +80,13 @@ def run(args):
     rows = []
     for name in names:
         e, k, h, inter, e_local, offset = {**MODELS, **CPU_MODELS}[name]
+        seed_case(name)
         w1 = (torch.randn(e_local, 2 * inter, h, device=device) / h**0.5).bfloat16()
         w2 = (torch.randn(e_local, h, inter, device=device) / inter**0.5).bfloat16()
         w1i = interleave_up_gate_sm90(w1)
         rate = dense_rate(timer, min(16384, max(tokens) * k), h, inter, device)
         for t in tokens:
+            seed_case(name, t)
             x = torch.randn(t, h, device=device).bfloat16()
             ids, scales = routing(t, e, k, device)
             local = ids.long() - offset

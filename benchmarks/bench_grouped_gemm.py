@@ -13,6 +13,7 @@ import json
 import math
 import statistics
 import time
+import zlib
 
 import warnings
 
@@ -40,6 +41,12 @@ for _proj, (_n, _k) in {"gate_up": (4096, 6144), "down": (6144, 2048)}.items():
 CPU_SHAPES = {"tiny_e8": (8, 512, 256, 256, "balanced"), "tiny_e4_skewed": (4, 384, 128, 256, "skewed")}
 OPS = ["fwd", "dgrad", "wgrad", "wgrad_f32", "fwdbwd"]
 GRAPH_MAX_ROWS = 4096  # problems this small are timed as CUDA-graph replays (both libraries)
+
+
+def seed_case(*key):
+    """Seed torch's generators from a case's name: the same routing and data in every run and
+    whatever subset of cases a run takes, so that results (and weight floors) compare."""
+    torch.manual_seed(zlib.crc32("/".join(map(str, key)).encode()))
 
 
 def group_sizes(e, sum_m, dist):

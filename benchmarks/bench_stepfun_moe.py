@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import cake_ops
 from bench_fused_moe import dense_rate, plot_panels, summarize, write_results
-from bench_grouped_gemm import HBM_TBPS, Timer, fmt
+from bench_grouped_gemm import HBM_TBPS, Timer, fmt, seed_case
 from cake_ops import stepfun_moe as sm
 from cake_ops.fused_moe import fused_moe_bf16
 
@@ -67,6 +67,7 @@ def run(args):
     bf16_graph_ms = {}
     for name in names:
         e, k, h, inter = {**SHAPES, **CPU_SHAPES}[name]
+        seed_case(name)
         w1, w2 = random_weights(e, h, inter, device)
         rate = dense_rate(timer, min(16384, max(tokens) * k), h, inter, device)
         for family in args.families.split(","):
@@ -77,6 +78,7 @@ def run(args):
                 rows.append({"shape": name, "family": family, "error": str(exc)})
                 continue
             for t in tokens:
+                seed_case(name, t)
                 x = (AMPLITUDE * torch.randn(t, h, device=device)).bfloat16()
                 logits = torch.randn(t, e, device=device)
                 ids = torch.topk(logits, k, dim=-1).indices

@@ -1,8 +1,10 @@
-"""Every tactic of the MoE GEMMs' family on the StepFun shapes: GEMM1 (gather, grouped GEMM, SwiGLUStep)
-and GEMM2, CUDA-graph replays timed in rotation, next to the automatic choice (tactic -1) and the
-decode kernel (tactic -2). For choosing a family's heuristic from measurements.
+"""Every tactic of the MoE GEMMs' family: GEMM1 (gather, grouped GEMM, SwiGLU(Step)) and GEMM2,
+CUDA-graph replays timed in rotation, next to the automatic choice (tactic -1) and the decode
+kernel (tactic -2). On the StepFun shapes (bf16 and fp8 families) and, with --models, on
+fused_moe_bf16's model shapes (bf16). For choosing the heuristics from measurements.
 
     python benchmarks/sweep_moe_gemm.py --shapes issue_geometry --families fp8 --tokens 8,2048,8192
+    python benchmarks/sweep_moe_gemm.py --shapes "" --models qwen3_30b,kimi_k2_ep8 --tokens 1,16,64 --top 3
 """
 import argparse
 import warnings
@@ -10,29 +12,37 @@ import warnings
 import torch
 
 import cake_ops
-from bench_grouped_gemm import Timer
+from bench_fused_moe import MODELS, routing
+from bench_grouped_gemm import Timer, seed_case
 from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES, random_weights
 from cake_ops import stepfun_moe as sm
+from cake_ops.fused_moe import interleave_up_gate_sm90
 
 TACTIC_FAMILY = {"bf16": "fwd", "fp8": "fwd_e4m3"}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="issue_geometry")
-    p.add_argument("--families", default="fp8")
-    p.add_argument("--tokens", default="8,2048,8192")
-    p.add_argument("--reps", type=int, default=10)
-    args = p.parse_args()
-    warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
-    timer = Timer("cuda", args.reps, 2)
-    for name in args.shapes.split(","):
+def sweep(timer, label, tactics, make, flops, top):
+    """Time `make(tactic)` for -1, -2 and every grouped GEMM tactic; print the fastest `top`."""
+    fns = {"automatic": (make(-1), None), "decode kernel": (make(-2), None)}
+    fns.update({tactic: (make(i), None) for i, tactic in enumerate(tactics)})
+    times = timer.many(fns, graph=True)
+    ranked = sorted((v, n) for n, v in times.items() if not isinstance(v, str))
+    print(f"{label}: automatic {times['automatic'] * 1e3:8.1f} us, decode kernel "
+          f"{times['decode kernel'] * 1e3:8.1f} us; best:")
+    for ms, tactic in ranked[:top]:
+        print(f"    {ms * 1e3:8.1f} us {flops / ms / 1e9:7.1f} TFLOP/s  {tactic}")
+
+
+def stepfun_shapes(args, timer):
+    for name in filter(None, args.shapes.split(",")):
         e, k, h, inter = SHAPES[name]
+        seed_case(name)
         w1, w2 = random_weights(e, h, inter, "cuda")
         for family in args.families.split(","):
             weights = sm.prepare_weights(w1, w2, LIMIT, family=family)
             tactics = cake_ops._C.grouped_gemm_tactics(TACTIC_FAMILY[family])
             for t in map(int, args.tokens.split(",")):
+                seed_case(name, t)
                 x = (AMPLITUDE * torch.randn(t, h, device="cuda")).bfloat16()
                 routed = sm.routing(torch.randn(t, e, device="cuda"), top_k=k, num_experts=e)
                 x_q, x_scale = (torch.ops.cake.quantize_fp8(x) if family == "fp8" else (x, None))
@@ -47,15 +57,46 @@ def main():
                 def gemm2(tactic):
                     return lambda: torch.ops.cake.moe_gemm2(a_q, weights.w2, routed.expert_offsets, True, tactic,
                                                             a_scale, weights.w2_scale)
-                for label, make, flops in (("gemm1", gemm1, 2 * t * k * 2 * inter * h),
-                                           ("gemm2", gemm2, 2 * t * k * h * inter)):
-                    fns = {"heuristic": (make(-1), None), "decode kernel": (make(-2), None)}
-                    fns.update({tactic: (make(i), None) for i, tactic in enumerate(tactics)})
-                    times = timer.many(fns, graph=True)
-                    ranked = sorted((v, n) for n, v in times.items() if not isinstance(v, str))
-                    print(f"{name} {family} T={t} {label}: heuristic {times['heuristic'] * 1e3:8.1f} us; best:")
-                    for ms, tactic in ranked[:5]:
-                        print(f"    {ms * 1e3:8.1f} us {flops / ms / 1e9:7.1f} TFLOP/s  {tactic}")
+                sweep(timer, f"{name} {family} T={t} gemm1", tactics, gemm1, 2 * t * k * 2 * inter * h, args.top)
+                sweep(timer, f"{name} {family} T={t} gemm2", tactics, gemm2, 2 * t * k * h * inter, args.top)
+
+
+def model_shapes(args, timer):
+    tactics = cake_ops._C.grouped_gemm_tactics("fwd")
+    for name in filter(None, args.models.split(",")):
+        e, k, h, inter, e_local, offset = MODELS[name]
+        seed_case(name)
+        w1 = interleave_up_gate_sm90((torch.randn(e_local, 2 * inter, h, device="cuda") / h**0.5).bfloat16())
+        w2 = (torch.randn(e_local, h, inter, device="cuda") / inter**0.5).bfloat16()
+        for t in map(int, args.tokens.split(",")):
+            seed_case(name, t)
+            x = torch.randn(t, h, device="cuda").bfloat16()
+            ids, _ = routing(t, e, k, "cuda")
+            _, offsets, p2e, _, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 128)
+            act = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k)
+
+            def gemm1(tactic):
+                return lambda: torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, None, tactic)
+
+            def gemm2(tactic):
+                return lambda: torch.ops.cake.moe_gemm2(act, w2, offsets, True, tactic)
+            sweep(timer, f"{name} bf16 T={t} gemm1", tactics, gemm1, 2 * t * k * 2 * inter * h, args.top)
+            sweep(timer, f"{name} bf16 T={t} gemm2", tactics, gemm2, 2 * t * k * h * inter, args.top)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="issue_geometry", help="StepFun shapes (empty: none)")
+    p.add_argument("--families", default="fp8")
+    p.add_argument("--models", default="", help="fused_moe_bf16 model shapes, bf16")
+    p.add_argument("--tokens", default="8,2048,8192")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--top", type=int, default=5, help="fastest tactics printed per GEMM")
+    args = p.parse_args()
+    warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
+    timer = Timer("cuda", args.reps, 2)
+    stepfun_shapes(args, timer)
+    model_shapes(args, timer)
 
 
 if __name__ == "__main__":

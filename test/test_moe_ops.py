@@ -121,7 +121,8 @@ DECODE_CASES = {"one_token": (1, 8, 64, 64, 0), "hot_expert": (40, 2, 8, 8, 0), 
 
 def decode_is_automatic(rows, num_experts, n):
     """tactic -1's rule (moe_cuda.cpp): up to 16 rows, and a grid of CTAs that covers the SMs."""
-    return rows <= 16 and min(rows, num_experts) * (n // 64) >= torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return rows <= 16 and min(rows, num_experts) * (n // 64) >= sms
 
 
 def quantize_per_expert(w):

@@ -236,6 +236,61 @@ __device__ __forceinline__ void mma_step(const StepRegs& r, uint64_t desc0, uint
   }
 }
 
+// A pass's output rows from tile[weight row][token]: GEMM1's SwiGLU(Step) or GEMM2's product.
+template <class T, bool kSwiGLU>
+__device__ void write_pass(const DecodeParams& p, const Pass& s, int e, int m_tile, float alpha, const float* tile) {
+  const int64_t first = s.first_row;
+  if constexpr (kSwiGLU) {
+    // Columns 0-31 of the tile are up, 32-63 gate (w1 interleaved at 32 rows). h is rounded to
+    // the output type first, as the grouped GEMM path stores it, then the activation in fp32.
+    const int inter = p.n / 2;
+    const float limit = p.limits ? p.limits[e] : 0.0f;
+    for (int i = threadIdx.x; i < s.rows * 16; i += kThreads) {
+      const int n = i / 16, j = 2 * (i % 16);
+      float r[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float up = DecodeMma<T>::round(alpha * tile[(j + c) * kTilePitch + n]);
+        const float gate = DecodeMma<T>::round(alpha * tile[(32 + j + c) * kTilePitch + n]);
+        const float silu = __fdiv_rn(gate, 1.0f + expf(-gate));
+        r[c] = p.limits ? __fmul_rn(fminf(silu, limit), fmaxf(fminf(up, limit), -limit)) : __fmul_rn(silu, up);
+      }
+      DecodeMma<T>::store2(static_cast<uint8_t*>(p.out) + ((first + n) * inter + m_tile * 32 + j) * 2, r[0], r[1]);
+    }
+  } else {
+    for (int i = threadIdx.x; i < s.rows * 32; i += kThreads) {
+      const int n = i / 32, r = 2 * (i % 32);
+      DecodeMma<T>::store2(static_cast<uint8_t*>(p.out) + ((first + n) * int64_t(p.n) + m_tile * kTileM + r) * 2,
+                           alpha * tile[r * kTilePitch + n], alpha * tile[(r + 1) * kTilePitch + n]);
+    }
+  }
+}
+
+// Token rows [first, first + rows) of the expert's [begin, end): wgmma N blocks and B's K chunks.
+__device__ __forceinline__ Pass make_pass(const DecodeParams& p, int64_t first, int64_t end) {
+  Pass s;
+  s.first_row = first;
+  s.rows = static_cast<int>(min64(kRowsPerPass, end - first));
+  s.blocks = s.rows <= 8 ? 1 : kNBlocks;  // two variants: more spill registers (ptxas)
+  s.chunk_bytes = min(p.k_bytes, kBBytes / (8 * s.blocks) / (64 * kUnroll) * (64 * kUnroll));
+  s.chunk_steps = s.chunk_bytes / (64 * kUnroll);
+  s.sbo = 8 * s.chunk_bytes;
+  return s;
+}
+
+template <int kBlocks>
+__device__ __forceinline__ void accumulators_to_tile(const float (&acc)[kBlocks][4], float* tile) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nb = 0; nb < kBlocks; ++nb) {
+    const int r = 16 * warp + g, c = nb * 8 + 2 * t;
+    tile[r * kTilePitch + c] = acc[nb][0];
+    tile[r * kTilePitch + c + 1] = acc[nb][1];
+    tile[(r + 8) * kTilePitch + c] = acc[nb][2];
+    tile[(r + 8) * kTilePitch + c + 1] = acc[nb][3];
+  }
+}
+
 // One pass over the expert's weights for s.rows <= 8 * kBlocks token rows: the sums land in
 // tile[weight row][token] (fp32).
 template <class T, bool kSwiGLU, int kBlocks>
@@ -281,15 +336,7 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 
   __syncthreads();  // the previous pass's epilogue is done with the tile
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int nb = 0; nb < kBlocks; ++nb) {
-    const int r = 16 * warp + g, c = nb * 8 + 2 * t;
-    tile[r * kTilePitch + c] = acc[nb][0];
-    tile[r * kTilePitch + c + 1] = acc[nb][1];
-    tile[(r + 8) * kTilePitch + c] = acc[nb][2];
-    tile[(r + 8) * kTilePitch + c + 1] = acc[nb][3];
-  }
+  accumulators_to_tile<kBlocks>(acc, tile);
   __syncthreads();
 }
 
@@ -332,42 +379,13 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodePara
   const float alpha = (p.a_scale ? *p.a_scale : 1.0f) * (p.w_scale ? p.w_scale[e] : 1.0f);
 
   for (int64_t first = row_begin; first < row_end; first += kRowsPerPass) {
-    Pass s;
-    s.first_row = first;
-    s.rows = static_cast<int>(min64(kRowsPerPass, row_end - first));
-    s.blocks = s.rows <= 8 ? 1 : kNBlocks;  // two variants: more spill registers (ptxas)
-    s.chunk_bytes = min(p.k_bytes, kBBytes / (8 * s.blocks) / (64 * kUnroll) * (64 * kUnroll));
-    s.chunk_steps = s.chunk_bytes / (64 * kUnroll);
-    s.sbo = 8 * s.chunk_bytes;
+    const Pass s = make_pass(p, first, row_end);
     if (s.blocks == 1) {
       pass_product<T, kSwiGLU, 1>(p, s, row0, row1, ring, b, tile);
     } else {
       pass_product<T, kSwiGLU, kNBlocks>(p, s, row0, row1, ring, b, tile);
     }
-    if constexpr (kSwiGLU) {
-      // Columns 0-31 of the tile are up, 32-63 gate (w1 interleaved at 32 rows). h is rounded to
-      // the output type first, as the grouped GEMM path stores it, then the activation in fp32.
-      const int inter = p.n / 2;
-      const float limit = p.limits ? p.limits[e] : 0.0f;
-      for (int i = threadIdx.x; i < s.rows * 16; i += kThreads) {
-        const int n = i / 16, j = 2 * (i % 16);
-        float r[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float up = DecodeMma<T>::round(alpha * tile[(j + c) * kTilePitch + n]);
-          const float gate = DecodeMma<T>::round(alpha * tile[(32 + j + c) * kTilePitch + n]);
-          const float silu = __fdiv_rn(gate, 1.0f + expf(-gate));
-          r[c] = p.limits ? __fmul_rn(fminf(silu, limit), fmaxf(fminf(up, limit), -limit)) : __fmul_rn(silu, up);
-        }
-        DecodeMma<T>::store2(static_cast<uint8_t*>(p.out) + ((first + n) * inter + m_tile * 32 + j) * 2, r[0], r[1]);
-      }
-    } else {
-      for (int i = threadIdx.x; i < s.rows * 32; i += kThreads) {
-        const int n = i / 32, r = 2 * (i % 32);
-        DecodeMma<T>::store2(static_cast<uint8_t*>(p.out) + ((first + n) * int64_t(p.n) + m_tile * kTileM + r) * 2,
-                             alpha * tile[r * kTilePitch + n], alpha * tile[(r + 1) * kTilePitch + n]);
-      }
-    }
+    write_pass<T, kSwiGLU>(p, s, e, m_tile, alpha, tile);
   }
 }
 

@@ -131,10 +131,11 @@ def quantize_per_expert(w):
 
 
 @cuda_only
+@pytest.mark.parametrize("tactic", [-2, -3], ids=["decode", "decode_persistent"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("limits", [False, True])
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_kernel_matches_cpu(case, dtype, limits):
+def test_decode_kernel_matches_cpu(case, dtype, limits, tactic):
     t, k, e, e_local, offset = DECODE_CASES[case]
     fp8 = dtype == torch.float8_e4m3fn
     x, ids, _, w1, w2 = moe_problem(t, k, e, e_local, 2560, 256, "cpu", torch.bfloat16 if fp8 else dtype)
@@ -152,12 +153,12 @@ def test_decode_kernel_matches_cpu(case, dtype, limits):
     cuda = [v.cuda() if v is not None else None for v in (x, w1, p2e, offsets, lim, x_scale, w1_scale)]
 
     want = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, lim, -1, x_scale, w1_scale)
-    got = torch.ops.cake.moe_gemm1_swiglu(*cuda[:4], k, True, cuda[4], -2, *cuda[5:])
+    got = torch.ops.cake.moe_gemm1_swiglu(*cuda[:4], k, True, cuda[4], tactic, *cuda[5:])
     torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
     assert torch.equal(got[kept:].cpu(), torch.zeros_like(want[kept:]))
     into = torch.full_like(got, float("nan"))
     torch.ops.cake.moe_gemm1_swiglu_out(*cuda[:4], k, into, torch.empty(0, dtype=torch.uint8, device="cuda"), True,
-                                        cuda[4], -2, *cuda[5:])
+                                        cuda[4], tactic, *cuda[5:])
     assert torch.equal(into, got)
     if decode_is_automatic(t * k, e_local, 2 * 256):
         auto = torch.ops.cake.moe_gemm1_swiglu(*cuda[:4], k, True, cuda[4], -1, *cuda[5:])
@@ -167,7 +168,7 @@ def test_decode_kernel_matches_cpu(case, dtype, limits):
     want2 = torch.ops.cake.moe_gemm2(a, w2, offsets, True, -1, a_scale, w2_scale)
     args2 = [a.cuda(), w2.cuda(), offsets.cuda()]
     scales2 = [v.cuda() if v is not None else None for v in (a_scale, w2_scale)]
-    got2 = torch.ops.cake.moe_gemm2(*args2, True, -2, *scales2)
+    got2 = torch.ops.cake.moe_gemm2(*args2, True, tactic, *scales2)
     torch.testing.assert_close(got2[:kept].cpu(), want2[:kept], rtol=2e-2, atol=2e-2)
     if decode_is_automatic(t * k, e_local, 2560):
         assert torch.equal(torch.ops.cake.moe_gemm2(*args2, True, -1, *scales2)[:kept], got2[:kept])
@@ -181,8 +182,8 @@ def test_decode_kernel_rejects_what_it_cannot_run():
     with pytest.raises(RuntimeError, match=r"cake::moe_gemm2: tactic -2 \(the decode kernel\) needs N % 64 == 0 and "
                                            r"K \* element_size % 256 == 0, got N=64 and 192 bytes of K"):
         torch.ops.cake.moe_gemm2(inter, w2, offsets, True, -2)
-    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu: tactic must be -2 .* got -3"):
-        torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 2, True, None, -3)
+    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu: tactic must be -3 .* got -4"):
+        torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 2, True, None, -4)
 
 
 @cuda_only

@@ -43,6 +43,7 @@ constexpr int kSmemBytes = kRingBytes + kBBytes + kTileM * kTilePitch * 4;  // 2
 static_assert(kMoeDecodeStepBytes == 64 * kUnroll, "moe_decode_gemm_fits checks K by this step");
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 template <class T>
 struct DecodeMma;
@@ -120,6 +121,7 @@ struct DecodeParams {
   const float* w_scale = nullptr;
   const float* limits = nullptr;                // SwiGLUStep's per-expert limit
   void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
+  bool persistent = false;                      // the persistent variant (tactic -3)
 };
 
 // One pipeline step's weights: kUnroll 64-byte blocks of the thread's two rows (g and g + 8).
@@ -291,6 +293,36 @@ __device__ __forceinline__ void accumulators_to_tile(const float (&acc)[kBlocks]
   }
 }
 
+template <int kBlocks>
+__device__ __forceinline__ void zero(float (&acc)[kBlocks][4]) {
+#pragma unroll
+  for (int nb = 0; nb < kBlocks; ++nb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[nb][j] = 0.0f;
+}
+
+template <int kBlocks>
+__device__ __forceinline__ void fence_acc(float (&acc)[kBlocks][4]) {
+#pragma unroll
+  for (int nb = 0; nb < kBlocks; ++nb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(acc[nb][j]);
+}
+
+// One step's wgmmas, waited for, with the operand fences that keep the compiler from touching
+// their registers while they run.
+template <class T, int kBlocks>
+__device__ __forceinline__ void mma_step_fenced(StepRegs& regs, uint64_t desc0, uint32_t sbo16, int local,
+                                                float (&acc)[kBlocks][4]) {
+  fence_acc(acc);
+  cute::warpgroup_arrive();
+  mma_step<T, kBlocks>(regs, desc0, sbo16, local, acc);
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+  fence_regs(regs);
+  fence_acc(acc);
+}
+
 // One pass over the expert's weights for s.rows <= 8 * kBlocks token rows: the sums land in
 // tile[weight row][token] (fp32).
 template <class T, bool kSwiGLU, int kBlocks>
@@ -300,16 +332,7 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
   const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
   const uint32_t sbo16 = s.sbo >> 4;
   float acc[kBlocks][4];
-#pragma unroll
-  for (int nb = 0; nb < kBlocks; ++nb)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[nb][j] = 0.0f;
-  auto fence_acc = [&] {
-#pragma unroll
-    for (int nb = 0; nb < kBlocks; ++nb)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(acc[nb][j]);
-  };
+  zero(acc);
 
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 #pragma unroll
@@ -325,13 +348,7 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
       stage_b<kSwiGLU>(p, s, step / s.chunk_steps, b);
       __syncthreads();
     }
-    fence_acc();
-    cute::warpgroup_arrive();
-    mma_step<T, kBlocks>(regs, desc0, sbo16, local, acc);
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs(regs);
-    fence_acc();
+    mma_step_fenced<T, kBlocks>(regs, desc0, sbo16, local, acc);
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 
@@ -389,8 +406,180 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodePara
   }
 }
 
+// ---- persistent variant (tactic -3) -------------------------------------------------------------
+// Two CTAs per SM, each walking a contiguous range of items (expert with rows, 64-row weight
+// tile); the cp.async ring runs on across pass and item boundaries, so the next item's first
+// weights are in flight while an item finishes: no per-CTA start-up (expert lookup, B staging)
+// between items with the bus idle, and no tail of a partial last wave.
+
+__device__ int count_experts_with_rows(const int32_t* offsets, int num_experts) {
+  const int lane = threadIdx.x % 32;
+  int count = 0;
+  for (int base = 0; base < num_experts; base += 32) {
+    const int e = base + lane;
+    count += __popc(__ballot_sync(0xffffffffu, e < num_experts && offsets[e + 1] > offsets[e]));
+  }
+  return count;
+}
+
+// Where a thread's copies (or its reads) stand: the item, its pass and step, the item's expert
+// rows and the thread's two weight rows. Every thread of the CTA holds the same item state.
+struct Cursor {
+  int item = 0, item_end = 0;
+  int e = -1;  // the item's expert (items m_tiles apart share one)
+  int64_t row_begin = 0, row_end = 0;
+  int pass = 0, passes = 0, step = 0;
+  const uint8_t* row0 = nullptr;
+  const uint8_t* row1 = nullptr;
+  __device__ bool valid() const { return item < item_end; }
+};
+
+// Cursor c at the start of item c.item, or of the next one with rows (offsets past `rows`, bad
+// input, can leave an expert none); items count only the experts with rows.
+__device__ void start_item(Cursor& c, const DecodeParams& p, int m_tiles, int64_t kept) {
+  for (; c.valid(); ++c.item, c.e = -1) {
+    const int slot = c.item / m_tiles, m_tile = c.item % m_tiles;
+    if (m_tile == 0 || c.e < 0) {
+      c.e = nth_expert_with_rows(p.offsets, p.num_experts, slot);
+      c.row_begin = p.offsets[c.e];
+      c.row_end = min64(p.offsets[c.e + 1], kept);
+    }
+    c.passes = static_cast<int>(max64(0, c.row_end - c.row_begin + kRowsPerPass - 1) / kRowsPerPass);
+    if (c.passes == 0) continue;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    c.row0 = p.w + (int64_t(c.e) * p.n + m_tile * kTileM + 16 * warp + lane / 4) * p.k_bytes + 16 * (lane % 4);
+    c.row1 = c.row0 + 8 * int64_t(p.k_bytes);
+    c.pass = 0;
+    c.step = 0;
+    return;
+  }
+}
+
+__device__ __forceinline__ void advance(Cursor& c, const DecodeParams& p, int m_tiles, int64_t kept, int steps) {
+  if (++c.step < steps) return;
+  c.step = 0;
+  if (++c.pass < c.passes) return;
+  ++c.item;
+  start_item(c, p, m_tiles, kept);
+}
+
+__device__ __forceinline__ void copy_weights(uint32_t ring, int ring_step, const Cursor& c) {
+  const uint32_t slot = ring + (ring_step % kStages) * kStageBytes + threadIdx.x * 16;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int off = (c.step * kUnroll + u) * 64;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u) * kThreads * 16), "l"(c.row0 + off)
+                 : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u + 1) * kThreads * 16),
+                 "l"(c.row1 + off)
+                 : "memory");
+  }
+}
+
+template <class T, bool kSwiGLU>
+__global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_persistent_kernel(DecodeParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;
+  uint8_t* b = smem + kRingBytes;
+  float* tile = reinterpret_cast<float*>(b + kBBytes);
+  pdl_wait();
+  pdl_launch_dependents();
+  const int64_t kept = min64(p.offsets[p.num_experts], p.rows);
+  const int m_tiles = p.n / kTileM;
+  const int64_t cta_threads = int64_t(gridDim.x) * kThreads, first_thread = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if constexpr (kSwiGLU) {
+    // Rows that belong to no expert are zeros (the op's contract); the gather's indices are
+    // checked before any wgmma (a call, such as an assert's, would serialize them: C7510).
+    const int64_t row_words = p.n / 4;  // (n / 2) 16-bit values
+    for (int64_t i = first_thread; i < (p.rows - kept) * row_words; i += cta_threads) {
+      reinterpret_cast<uint32_t*>(p.out)[kept * row_words + i] = 0;
+    }
+    for (int64_t row = first_thread; row < kept; row += cta_threads) {
+      const int32_t expanded = p.permuted_to_expanded[row];
+      if (expanded < 0 || expanded >= p.a_rows) __trap();
+    }
+  }
+  const int64_t items = int64_t(count_experts_with_rows(p.offsets, p.num_experts)) * m_tiles;
+  Cursor prod;
+  prod.item = static_cast<int>(items * blockIdx.x / gridDim.x);
+  prod.item_end = static_cast<int>(items * (blockIdx.x + 1) / gridDim.x);
+  start_item(prod, p, m_tiles, kept);
+  Cursor cons = prod;
+  const int steps = p.k_bytes / (64 * kUnroll);
+  const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t b_addr = static_cast<uint32_t>(__cvta_generic_to_shared(b));
+#pragma unroll 1
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (prod.valid()) {
+      copy_weights(ring_addr, i, prod);
+      advance(prod, p, m_tiles, kept, steps);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");  // empty groups keep the count uniform
+  }
+
+  // One accumulator set per N variant (one shared set made ptxas inject wgmma fences, C7519).
+  float acc1[1][4], acc4[kNBlocks][4];
+  Pass s = {};
+  uint64_t desc0 = 0;
+  float alpha = 1.0f;
+#pragma unroll 1
+  for (int step = 0; cons.valid(); ++step) {
+    if (prod.valid()) {
+      copy_weights(ring_addr, step + kStages - 1, prod);
+      advance(prod, p, m_tiles, kept, steps);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // this step's copies landed
+    StepRegs regs;
+    read_step(regs, ring, step);
+    if (cons.step == 0) {  // a pass starts
+      s = make_pass(p, cons.row_begin + int64_t(cons.pass) * kRowsPerPass, cons.row_end);
+      desc0 = b_descriptor(b_addr, s.sbo);
+      alpha = (p.a_scale ? *p.a_scale : 1.0f) * (p.w_scale ? p.w_scale[cons.e] : 1.0f);
+      zero(acc1);
+      zero(acc4);
+    }
+    const int local = cons.step % s.chunk_steps;
+    if (local == 0) {
+      __syncthreads();  // the previous chunk's (or pass's) wgmmas and epilogue are done with B and the tile
+      stage_b<kSwiGLU>(p, s, cons.step / s.chunk_steps, b);
+      __syncthreads();
+    }
+    if (s.blocks == 1) {
+      mma_step_fenced<T, 1>(regs, desc0, s.sbo >> 4, local, acc1);
+    } else {
+      mma_step_fenced<T, kNBlocks>(regs, desc0, s.sbo >> 4, local, acc4);
+    }
+    if (cons.step == steps - 1) {  // the pass ends
+      if (s.blocks == 1) {
+        accumulators_to_tile<1>(acc1, tile);
+      } else {
+        accumulators_to_tile<kNBlocks>(acc4, tile);
+      }
+      __syncthreads();
+      write_pass<T, kSwiGLU>(p, s, cons.e, cons.item % m_tiles, alpha, tile);
+    }
+    advance(cons, p, m_tiles, kept, steps);
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+template <class T, bool kSwiGLU>
+void launch_persistent(const DecodeParams& p, cudaStream_t stream, bool pdl) {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t items = std::min<int64_t>(p.num_experts, p.rows) * (p.n / kTileM);
+  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(items, 2 * int64_t(sms)));  // 2 fit per SM
+  C10_CUDA_CHECK(cudaFuncSetAttribute(moe_decode_gemm_persistent_kernel<T, kSwiGLU>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  launch_kernel(moe_decode_gemm_persistent_kernel<T, kSwiGLU>, dim3(static_cast<unsigned>(ctas)), dim3(kThreads),
+                kSmemBytes, stream, pdl, p);
+}
+
 template <class T, bool kSwiGLU>
 void launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
+  if (p.persistent) return launch_persistent<T, kSwiGLU>(p, stream, pdl);
   const int64_t slots = std::min<int64_t>(p.num_experts, p.rows);
   const dim3 grid(p.n / kTileM, static_cast<unsigned>(slots + (kSwiGLU ? 1 : 0)));
   // Over 48 KB of dynamic shared memory needs the opt-in (per device: set at every launch).
@@ -424,6 +613,7 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
   p.w_scale = a.w_scale;
   p.limits = a.limits;
   p.out = a.out;
+  p.persistent = a.persistent;
   switch (element) {
     case MoeDecodeElement::kBFloat16:
       return swiglu ? launch<__nv_bfloat16, true>(p, stream, pdl) : launch<__nv_bfloat16, false>(p, stream, pdl);

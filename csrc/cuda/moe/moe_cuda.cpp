@@ -160,7 +160,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
                 const c10::optional<at::Tensor>& w1_scale, const MoeGemm1Shape& s, at::Tensor& out,
                 const at::Tensor& workspace_in, const char* op) {
-  check_moe_gemm_scales(x_in, x_scale, w1_scale, w1.size(0), "x", op);
+  const bool quantize_x = check_moe_gemm1_scales(x_in, x_scale, w1, w1_scale, op) == MoeGemm1Input::kQuantizeX;
   at::Tensor clamp_limits;
   if (clamp_limits_in) {
     check_clamp_limits(*clamp_limits_in, w1.size(0), x_in, op);
@@ -169,13 +169,15 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   check_gemm_dtype(x_in, op);
   TORCH_CHECK(w1.is_contiguous() && permuted_to_expanded.is_contiguous() && expert_offsets.is_contiguous(), op,
               ": w1, permuted_to_expanded and expert_offsets must be contiguous");
-  TORCH_CHECK(x_in.size(1) * x_in.element_size() % 16 == 0, op, ": CUDA kernels need 16-byte rows (hidden % ",
-              16 / x_in.element_size(), " == 0), got hidden=", x_in.size(1));
+  // 16-byte rows of x and of the gathered GEMM operand (w1's dtype).
+  const int64_t row_elements = 16 / std::min(x_in.element_size(), w1.element_size());
+  TORCH_CHECK(x_in.size(1) % row_elements == 0, op, ": CUDA kernels need 16-byte rows (hidden % ", row_elements,
+              " == 0), got hidden=", x_in.size(1));
   TORCH_CHECK(top_k <= INT32_MAX, op, ": top_k must fit in int32");
   c10::cuda::CUDAGuard guard(x_in.device());
   select_kernel_arch(x_in.get_device(), op);
   const auto x = x_in.contiguous();
-  const auto layout = moe_gemm1_workspace(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
+  const auto layout = moe_gemm1_workspace(s.rows, x.size(1), s.intermediate, w1.size(0), w1.element_size());
   const auto workspace =
       workspace_in.numel() == 0 ? at::empty({layout.total}, x.options().dtype(at::kByte)) : workspace_in;
   TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 && workspace.is_contiguous() &&
@@ -184,20 +186,32 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
               " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace.scalar_type(), " ", workspace.sizes(), " on ",
               workspace.device());
   TORCH_CHECK(aligned16(x) && aligned16(out), op, ": x and out must be 16-byte aligned");
-  auto gathered = workspace.narrow(0, 0, layout.gathered_bytes).view(x.scalar_type()).view({s.rows, x.size(1)});
-  const auto h_dtype = moe_gemm_out_dtype(x);
+  auto gathered = workspace.narrow(0, 0, layout.gathered_bytes).view(w1.scalar_type()).view({s.rows, x.size(1)});
+  const auto h_dtype = moe_gemm_out_dtype(gathered);
   auto h = workspace.narrow(0, layout.h_offset, layout.h_bytes).view(h_dtype).view({s.rows, 2 * s.intermediate});
   auto gemm_workspace = workspace.narrow(0, layout.gemm_offset, layout.gemm_bytes);
 
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device());
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
-  sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
-                        static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
+  c10::optional<at::Tensor> gathered_scale = x_scale;
+  if (quantize_x) {
+    // [0]: the scale the gather quantizes with (what the GEMM scales by), [1]: a dynamic scale's amax.
+    auto slots = workspace.narrow(0, layout.scale_offset, 2 * sizeof(float)).view(at::kFloat);
+    sm90::moe_gather_quantize_rows(x.data_ptr(), x.size(0), x.size(1), permuted_to_expanded.data_ptr<int32_t>(),
+                                   static_cast<int>(top_k), num_kept, s.rows,
+                                   x_scale ? x_scale->data_ptr<float>() : nullptr, slots.data_ptr<float>(),
+                                   gathered.data_ptr(), stream, enable_pdl);
+    gathered_scale = slots.narrow(0, 0, 1);
+  } else {
+    sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
+                          static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
+  }
   const auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
   at::Tensor w1_scale_contiguous;
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
-                        /*zero_tail=*/false, tactic, &gemm_workspace, gemm_scales(x_scale, w1_scale, w1_scale_contiguous));
+                        /*zero_tail=*/false, tactic, &gemm_workspace,
+                        gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous));
   sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, expert_offsets.data_ptr<int32_t>(),
                    static_cast<int>(w1.size(0)), clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr,
                    out.data_ptr(), h_dtype == at::kBFloat16, stream, enable_pdl);

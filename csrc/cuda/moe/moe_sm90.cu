@@ -790,8 +790,9 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
     // The memset is no kernel: the amax kernel after it launches without PDL.
     C10_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned), stream));
     const int64_t per_block = int64_t(kQuantThreads) * kQuantVec<__nv_bfloat16>;
-    const dim3 amax_grid(static_cast<unsigned>(std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kQuantMaxBlocks)));
-    launch_kernel(fp8_amax_kernel<__nv_bfloat16>, amax_grid, dim3(kQuantThreads), 0, stream, false, xb, n, amax_bits);
+    const int64_t amax_blocks = std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kQuantMaxBlocks);
+    launch_kernel(fp8_amax_kernel<__nv_bfloat16>, dim3(static_cast<unsigned>(amax_blocks)), dim3(kQuantThreads), 0,
+                  stream, false, xb, n, amax_bits);
     launch_kernel(moe_gather_quantize_kernel<GatherScale::kAmaxBits>, grid, block, 0, stream, pdl, xb, n, hidden,
                   permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
   }

@@ -40,8 +40,10 @@ MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
   TORCH_CHECK(x.dim() == 2, op, ": x must be a 2-D [num_tokens, hidden] tensor, got shape ", x.sizes());
   TORCH_CHECK(w1.dim() == 3 && w1.size(2) == x.size(1) && w1.size(1) % 64 == 0, op,
               ": w1 must be [E_local, 2I, hidden=", x.size(1), "] with I % 32 == 0, got shape ", w1.sizes());
-  TORCH_CHECK(w1.scalar_type() == x.scalar_type(), op, ": x and w1 must have the same dtype, got ",
-              x.scalar_type(), " and ", w1.scalar_type());
+  TORCH_CHECK(w1.scalar_type() == x.scalar_type() ||
+                  (x.scalar_type() == at::kBFloat16 && w1.scalar_type() == at::kFloat8_e4m3fn),
+              op, ": x and w1 must have the same dtype (or bfloat16 x with float8_e4m3fn w1), got ", x.scalar_type(),
+              " and ", w1.scalar_type());
   TORCH_CHECK(w1.device() == x.device() && permuted_to_expanded.device() == x.device() &&
                   expert_offsets.device() == x.device(),
               op, ": all tensors must be on x's device ", x.device());
@@ -85,7 +87,8 @@ MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t inte
   w.h_bytes = rows * 2 * intermediate * 2;  // 16-bit
   w.gemm_offset = w.h_offset + align(w.h_bytes);
   w.gemm_bytes = grouped_gemm_workspace_bytes(num_local_experts);
-  w.total = w.gemm_offset + w.gemm_bytes;
+  w.scale_offset = w.gemm_offset + align(w.gemm_bytes);
+  w.total = w.scale_offset + 2 * sizeof(float);
   return w;
 }
 
@@ -103,6 +106,23 @@ GroupedGemmShape check_moe_gemm2_out(const at::Tensor& intermediate, const at::T
   return s;
 }
 
+namespace {
+
+void check_activation_scale(const at::Tensor& scale, const at::Tensor& a, const char* a_name, const char* op) {
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1 && scale.device() == a.device(), op,
+              ": the ", a_name, " scale must be one float32 value on ", a.device(), ", got ", scale.scalar_type(), " ",
+              scale.sizes(), " on ", scale.device());
+}
+
+void check_weight_scales(const at::Tensor& w_scale, int64_t num_local_experts, const at::Tensor& a, const char* op) {
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.dim() == 1 && w_scale.size(0) == num_local_experts &&
+                  w_scale.device() == a.device(),
+              op, ": the weight scales must be float32 [E_local] = [", num_local_experts, "] on ", a.device(),
+              ", got ", w_scale.scalar_type(), " ", w_scale.sizes(), " on ", w_scale.device());
+}
+
+}  // namespace
+
 bool check_moe_gemm_scales(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
                            const c10::optional<at::Tensor>& w_scale, int64_t num_local_experts, const char* a_name,
                            const char* op) {
@@ -114,14 +134,21 @@ bool check_moe_gemm_scales(const at::Tensor& a, const c10::optional<at::Tensor>&
   }
   TORCH_CHECK(a_scale && w_scale, op, ": float8_e4m3fn ", a_name, " and weights need their scales (a per-tensor ",
               a_name, " scale and one weight scale per local expert)");
-  TORCH_CHECK(a_scale->scalar_type() == at::kFloat && a_scale->numel() == 1 && a_scale->device() == a.device(), op,
-              ": the ", a_name, " scale must be one float32 value on ", a.device(), ", got ", a_scale->scalar_type(),
-              " ", a_scale->sizes(), " on ", a_scale->device());
-  TORCH_CHECK(w_scale->scalar_type() == at::kFloat && w_scale->dim() == 1 && w_scale->size(0) == num_local_experts &&
-                  w_scale->device() == a.device(),
-              op, ": the weight scales must be float32 [E_local] = [", num_local_experts, "] on ", a.device(),
-              ", got ", w_scale->scalar_type(), " ", w_scale->sizes(), " on ", w_scale->device());
+  check_activation_scale(*a_scale, a, a_name, op);
+  check_weight_scales(*w_scale, num_local_experts, a, op);
   return true;
+}
+
+MoeGemm1Input check_moe_gemm1_scales(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale,
+                                     const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale, const char* op) {
+  if (x.scalar_type() == at::kBFloat16 && w1.scalar_type() == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(w1_scale, op, ": float8_e4m3fn w1 needs its scales (one per local expert)");
+    check_weight_scales(*w1_scale, w1.size(0), x, op);
+    if (x_scale) check_activation_scale(*x_scale, x, "x", op);
+    return MoeGemm1Input::kQuantizeX;
+  }
+  return check_moe_gemm_scales(x, x_scale, w1_scale, w1.size(0), "x", op) ? MoeGemm1Input::kFp8
+                                                                          : MoeGemm1Input::k16Bit;
 }
 
 at::ScalarType moe_gemm_out_dtype(const at::Tensor& a) {

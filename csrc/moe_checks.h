@@ -14,11 +14,13 @@ inline int64_t moe_routing_workspace_bytes(int64_t routes, int64_t num_local_exp
   return 4 * ((routes + kMoeSortRoutesPerStep - 1) / kMoeSortRoutesPerStep) * num_local_experts;
 }
 
-// Workspace of moe_gemm1_swiglu_out: the gathered rows [rows, H] (x's element_size bytes each),
-// GEMM1's output [rows, 2I] (16-bit: x's dtype, bfloat16 for fp8 x) and the grouped GEMM's own
-// workspace, each at a 256-byte aligned byte offset.
+// Workspace of moe_gemm1_swiglu_out: the gathered rows [rows, H] (w1's element_size bytes each),
+// GEMM1's output [rows, 2I] (16-bit: x's dtype, bfloat16 for fp8), the grouped GEMM's own
+// workspace and two floats (x quantized on the way in: its scale, and the amax it comes from),
+// each at a 256-byte aligned byte offset.
 struct MoeGemm1Workspace {
-  int64_t gathered_bytes = 0, h_offset = 0, h_bytes = 0, gemm_offset = 0, gemm_bytes = 0, total = 0;
+  int64_t gathered_bytes = 0, h_offset = 0, h_bytes = 0, gemm_offset = 0, gemm_bytes = 0, scale_offset = 0,
+          total = 0;
 };
 MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,
                                       int64_t element_size);
@@ -94,6 +96,13 @@ GroupedGemmShape check_moe_gemm2_out(const at::Tensor& intermediate, const at::T
 bool check_moe_gemm_scales(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
                            const c10::optional<at::Tensor>& w_scale, int64_t num_local_experts, const char* a_name,
                            const char* op);
+// What GEMM1 does with x: 16-bit x and w1 of one dtype, no scales; float8_e4m3fn x and w1 with
+// their scales (check_moe_gemm_scales); or bfloat16 x with float8_e4m3fn w1 and w1's scales, x
+// quantized per tensor on its way into the gather (x_scale: its static scale; absent: the
+// dynamic max|x| / 448), bit for bit quantize_fp8 then the float8_e4m3fn path.
+enum class MoeGemm1Input { k16Bit, kFp8, kQuantizeX };
+MoeGemm1Input check_moe_gemm1_scales(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale,
+                                     const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale, const char* op);
 // A MoE GEMM's output dtype: bfloat16 for float8_e4m3fn activations, else theirs.
 at::ScalarType moe_gemm_out_dtype(const at::Tensor& a);
 

@@ -67,7 +67,9 @@ TORCH_LIBRARY(cake, m) {
   // "fwd_f16" / "fwd_e4m3")); the CPU ignores it. fp8 (both MoE GEMMs): float8_e4m3fn activations and weights with a per-tensor
   // activation scale (float32, one element) and one weight scale per local expert (float32
   // [E_local]): expert e's product is scaled by a_scale * w_scale[e] in float32 (physical units:
-  // before the clamp) and rounded to bfloat16, the output dtype.
+  // before the clamp) and rounded to bfloat16, the output dtype. GEMM1 also takes bfloat16 x with
+  // float8_e4m3fn w1: x is quantized per tensor on its way into the gather, with x_scale (static)
+  // or without (dynamic, max|x| / 448), bit for bit quantize_fp8(x, x_scale) then the fp8 path.
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
@@ -195,7 +197,7 @@ PyObject* clear_grouped_gemm_tuned_tactics(PyObject*, PyObject*) {
 #endif
 
 // moe_routing_workspace_size(routes, E_local) and moe_gemm1_workspace_size(rows, H, I, E_local,
-// element_size): bytes of the MoE out-variants' workspaces.
+// element_size): bytes of the MoE out-variants' workspaces (element_size: w1's).
 PyObject* moe_routing_workspace_size(PyObject*, PyObject* args) {
   long long routes = 0, num_local = 0;
   if (!PyArg_ParseTuple(args, "LL", &routes, &num_local)) return nullptr;

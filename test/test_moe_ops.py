@@ -175,6 +175,31 @@ def test_decode_kernel_matches_cpu(case, dtype, limits, tactic):
 
 
 @cuda_only
+@pytest.mark.parametrize("tactic", [-2, -3], ids=["decode", "decode_persistent"])
+@pytest.mark.parametrize("static_scale", [False, True])
+@pytest.mark.parametrize("case", ["one_token", "ep_shard"])
+def test_decode_kernel_quantizes_bf16_x(case, static_scale, tactic):
+    """bfloat16 x with e4m3 w1: the decode kernel quantizes x while staging it (a static scale,
+    or each CTA's own amax over x), bit for bit quantize_fp8 then the e4m3 path."""
+    t, k, e, e_local, offset = DECODE_CASES[case]
+    x, ids, _, w1, _ = moe_problem(t, k, e, e_local, 2560, 256, "cpu")
+    x = 12 * x  # amplitude: the scale matters
+    w1, w1_scale = quantize_per_expert(interleave_up_gate_sm90(w1))
+    x_scale = torch.tensor([0.05]) if static_scale else None
+    _, offsets, p2e, _, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 64)
+    x_q, x_q_scale = torch.ops.cake.quantize_fp8(x, x_scale)
+    want = torch.ops.cake.moe_gemm1_swiglu(x_q, w1, p2e, offsets, k, True, None, -1, x_q_scale, w1_scale)
+    cuda = [v.cuda() for v in (x, w1, p2e, offsets)]
+    got = torch.ops.cake.moe_gemm1_swiglu(*cuda, k, True, None, tactic,
+                                          x_scale.cuda() if static_scale else None, w1_scale.cuda())
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+    # The same quantized operand as the e4m3 path through the same kernel: bitwise.
+    same = torch.ops.cake.moe_gemm1_swiglu(x_q.cuda(), w1.cuda(), p2e.cuda(), offsets.cuda(), k, True, None, tactic,
+                                           x_q_scale.cuda(), w1_scale.cuda())
+    assert torch.equal(got, same)
+
+
+@cuda_only
 def test_decode_kernel_rejects_what_it_cannot_run():
     x, ids, _, w1, w2 = moe_problem(2, 2, 8, 8, 64, 96, "cuda")
     _, offsets, p2e, _, _ = torch.ops.cake.moe_sort(ids, 8, 8, 0, 64)

@@ -245,6 +245,29 @@ def test_every_fp8_kernel_configuration_matches_float64():
         assert float((got - want).norm() / want.norm()) < 1e-2, name  # later rows: no route
 
 
+@pytest.mark.parametrize("t", [4, 300])  # on CUDA a dynamic scale over x of 300 x 256 takes an amax kernel first
+def test_gemm1_quantizes_bf16_x_as_quantize_fp8(device, t):
+    # bf16 x with e4m3 w1: x quantized on its way into the gather, bit for bit quantize_fp8 then
+    # the e4m3 path, with a static scale and a dynamic one, one-shot and into caller buffers.
+    hidden, inter, e, k = 256, 64, 4, 2
+    x, logits, w1, w2 = make(device, t, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, 7.0, family="fp8")
+    routed = sm.routing(logits, top_k=k, num_experts=e)
+    args = (routed.permuted_idx_to_expanded_idx, routed.expert_offsets, k, True, weights.gemm1_clamp_limit, -1)
+    for scale in (None, torch.tensor([0.02], device=device)):
+        x_q, x_scale = torch.ops.cake.quantize_fp8(x, scale)
+        want = torch.ops.cake.moe_gemm1_swiglu(x_q, weights.w1, *args, x_scale, weights.w1_scale)
+        got = torch.ops.cake.moe_gemm1_swiglu(x, weights.w1, *args, scale, weights.w1_scale)
+        kept = int(routed.expert_offsets[-1])
+        assert got.dtype == torch.bfloat16 and torch.equal(got[:kept], want[:kept])
+        out = torch.empty_like(got)
+        workspace = torch.empty(cake_ops._C.moe_gemm1_workspace_size(t * k, hidden, inter, e, 1), dtype=torch.uint8,
+                                device=device)
+        torch.ops.cake.moe_gemm1_swiglu_out(x, weights.w1, *args[:3], out, workspace, *args[3:], scale,
+                                            weights.w1_scale)
+        assert torch.equal(out[:kept], want[:kept])
+
+
 def test_fp8_static_scales_and_e4m3_hidden_states(device):
     hidden, inter, e, k, _ = geometry(device)
     x, logits, w1, w2 = make(device, 64, hidden, inter, e, k)
@@ -448,6 +471,9 @@ def test_ops_opcheck():
     workspace = torch.empty(cake_ops._C.moe_gemm1_workspace_size(48, 64, 32, 16, 1), dtype=torch.uint8)
     torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu_out, (*gemm1[:5], act, workspace, *gemm1[5:]),
                           test_utils=FP8_OPCHECKS)
+    for scale in (None, torch.tensor([0.1])):  # bf16 x quantized on the way in
+        torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu, (x, *gemm1[1:8], scale, fp8.w1_scale),
+                              test_utils=FP8_OPCHECKS)
     a_q, a_scale = torch.ops.cake.quantize_fp8(torch.ops.cake.moe_gemm1_swiglu(*gemm1))
     torch.library.opcheck(torch.ops.cake.moe_gemm2, (a_q, fp8.w2, routed.expert_offsets, True, -1, a_scale,
                                                      fp8.w2_scale), test_utils=FP8_OPCHECKS)
@@ -512,7 +538,9 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.message(RuntimeError, gemm1, x_q, *args, x_scale, torch.ones(3)), """cake::moe_gemm1_swiglu: the weight scales must be float32 [E_local] = [4] on cpu, got Float [3] on cpu""")
         self.assertExpectedInline(self.message(RuntimeError, gemm1, x_q, *args, torch.ones(2), fp8.w1_scale), """cake::moe_gemm1_swiglu: the x scale must be one float32 value on cpu, got Float [2] on cpu""")
         self.assertExpectedInline(self.message(RuntimeError, gemm1, x, sm.prepare_weights(w1, w2, 7.0).w1, *args[1:], x_scale, fp8.w1_scale), """cake::moe_gemm1_swiglu: scales apply to float8_e4m3fn x and weights only, got BFloat16""")
-        self.assertExpectedInline(self.message(RuntimeError, gemm1, x, *args), """cake::moe_gemm1_swiglu: x and w1 must have the same dtype, got BFloat16 and Float8_e4m3fn""")
+        self.assertExpectedInline(self.message(RuntimeError, gemm1, x, *args), """cake::moe_gemm1_swiglu: float8_e4m3fn w1 needs its scales (one per local expert)""")
+        self.assertExpectedInline(self.message(RuntimeError, gemm1, x, *args, torch.ones(2), fp8.w1_scale), """cake::moe_gemm1_swiglu: the x scale must be one float32 value on cpu, got Float [2] on cpu""")
+        self.assertExpectedInline(self.message(RuntimeError, gemm1, x.half(), *args, None, fp8.w1_scale), """cake::moe_gemm1_swiglu: x and w1 must have the same dtype (or bfloat16 x with float8_e4m3fn w1), got Half and Float8_e4m3fn""")
         self.assertExpectedInline(self.message(RuntimeError, torch.ops.cake.quantize_fp8, x.int()), """cake::quantize_fp8: x must be bfloat16, float16 or float32, got Int""")
         self.assertExpectedInline(self.message(RuntimeError, torch.ops.cake.quantize_fp8, x, torch.ones(2)), """cake::quantize_fp8: scale must be one float32 value on cpu (or None for a dynamic scale), got Float [2] on cpu""")
         self.assertExpectedInline(self.message(RuntimeError, torch.ops.cake.quantize_fp8_out, x, None, torch.empty(4, 64), torch.empty(1)), """cake::quantize_fp8_out: out must be a contiguous float8_e4m3fn tensor of x's shape [4, 64] on cpu, got Float [4, 64] on cpu""")

@@ -92,12 +92,16 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const c10::optional<at::Tensor>& w1_scale) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
-  const bool fp8 = check_moe_gemm_scales(x, x_scale, w1_scale, w1.size(0), "x", op);
+  const auto input = check_moe_gemm1_scales(x, x_scale, w1, w1_scale, op);
   if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
+  at::Tensor xq = x;
+  c10::optional<at::Tensor> xq_scale = x_scale;
+  if (input == MoeGemm1Input::kQuantizeX) std::tie(xq, xq_scale) = quantize_fp8(x, x_scale);
+  const bool fp8 = input != MoeGemm1Input::k16Bit;
   const auto token = at::floor_divide(permuted_to_expanded.clamp_min(0).to(at::kLong), top_k);
   // Permuted rows past the last expert's end come out of the grouped GEMM as zeros.
-  const auto rows = (fp8 ? x.to(at::kFloat) : x).index_select(0, token);  // e4m3 values are exact in float32
-  const auto h = moe_gemm(rows, w1, expert_offsets, fp8, x_scale, w1_scale);
+  const auto rows = (fp8 ? xq.to(at::kFloat) : xq).index_select(0, token);  // e4m3 values are exact in float32
+  const auto h = moe_gemm(rows, w1, expert_offsets, fp8, xq_scale, w1_scale);
   // Interleaved columns: [up 0:32 | gate 0:32 | up 32:64 | ...].
   const auto hv = h.view({s.rows, s.intermediate / 32, 2, 32}).to(at::kFloat);
   auto act = at::silu(hv.select(2, 1));
@@ -108,7 +112,7 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
     act = at::minimum(act, limit);
     up = at::maximum(at::minimum(up, limit), -limit);
   }
-  return (act * up).to(moe_gemm_out_dtype(x)).reshape({s.rows, s.intermediate});
+  return (act * up).to(moe_gemm_out_dtype(xq)).reshape({s.rows, s.intermediate});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_routing(
@@ -160,7 +164,7 @@ void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::T
   const char* op = "cake::moe_gemm1_swiglu_out";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
-  const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
+  const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), w1.element_size());
   TORCH_CHECK(workspace.scalar_type() == at::kByte && (workspace.numel() == 0 || workspace.numel() >= need), op,
               ": workspace must be a uint8 tensor of at least ", need,
               " bytes (cake_ops._C.moe_gemm1_workspace_size), or empty, got ", workspace.scalar_type(), " ",

@@ -154,17 +154,36 @@ def _moe_gemm_out_dtype(a):
     return torch.bfloat16 if a.dtype == torch.float8_e4m3fn else a.dtype
 
 
+def _check_activation_scale(a_scale, a_name, op):
+    _check(a_scale.dtype == torch.float32 and a_scale.numel() == 1,
+           f"{op}: the {a_name} scale must be one float32 value, got {a_scale.dtype} {list(a_scale.shape)}")
+
+
+def _check_weight_scales(w_scale, num_local_experts, op):
+    _check(w_scale.dtype == torch.float32 and tuple(w_scale.shape) == (num_local_experts,),
+           f"{op}: the weight scales must be float32 [E_local] = [{num_local_experts}], got {w_scale.dtype} "
+           f"{list(w_scale.shape)}")
+
+
 def _check_moe_gemm_scales(a, a_scale, w_scale, num_local_experts, a_name, op):
     if a.dtype != torch.float8_e4m3fn:
         _check(a_scale is None and w_scale is None,
                f"{op}: scales apply to float8_e4m3fn {a_name} and weights only, got {a.dtype}")
         return
     _check(a_scale is not None and w_scale is not None, f"{op}: float8_e4m3fn {a_name} and weights need their scales")
-    _check(a_scale.dtype == torch.float32 and a_scale.numel() == 1,
-           f"{op}: the {a_name} scale must be one float32 value, got {a_scale.dtype} {list(a_scale.shape)}")
-    _check(w_scale.dtype == torch.float32 and tuple(w_scale.shape) == (num_local_experts,),
-           f"{op}: the weight scales must be float32 [E_local] = [{num_local_experts}], got {w_scale.dtype} "
-           f"{list(w_scale.shape)}")
+    _check_activation_scale(a_scale, a_name, op)
+    _check_weight_scales(w_scale, num_local_experts, op)
+
+
+def _check_moe_gemm1_scales(x, x_scale, w1, w1_scale, op):
+    """check_moe_gemm1_scales: bfloat16 x with float8_e4m3fn w1 is quantized on its way in."""
+    if x.dtype == torch.bfloat16 and w1.dtype == torch.float8_e4m3fn:
+        _check(w1_scale is not None, f"{op}: float8_e4m3fn w1 needs its scales (one per local expert)")
+        _check_weight_scales(w1_scale, w1.shape[0], op)
+        if x_scale is not None:
+            _check_activation_scale(x_scale, "x", op)
+        return
+    _check_moe_gemm_scales(x, x_scale, w1_scale, w1.shape[0], "x", op)
 
 
 @register_fake("cake::moe_gemm1_swiglu")
@@ -174,10 +193,12 @@ def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, e
     _check(x.dim() == 2 and w1.dim() == 3, f"{op}: x must be [num_tokens, hidden] and w1 [E_local, 2I, hidden]")
     _check(w1.shape[2] == x.shape[1] and w1.shape[1] % 64 == 0,
            f"{op}: w1 must be [E_local, 2I, hidden={x.shape[1]}] with I % 32 == 0, got shape {list(w1.shape)}")
-    _check(w1.dtype == x.dtype, f"{op}: x and w1 must have the same dtype, got {x.dtype} and {w1.dtype}")
+    _check(w1.dtype == x.dtype or (x.dtype == torch.bfloat16 and w1.dtype == torch.float8_e4m3fn),
+           f"{op}: x and w1 must have the same dtype (or bfloat16 x with float8_e4m3fn w1), got {x.dtype} and "
+           f"{w1.dtype}")
     _check(permuted_to_expanded.shape == (x.shape[0] * top_k,),
            f"{op}: permuted_to_expanded must be int32 [num_tokens * top_k] = [{x.shape[0] * top_k}]")
-    _check_moe_gemm_scales(x, x_scale, w1_scale, w1.shape[0], "x", op)
+    _check_moe_gemm1_scales(x, x_scale, w1, w1_scale, op)
     return x.new_empty((x.shape[0] * top_k, w1.shape[1] // 2), dtype=_moe_gemm_out_dtype(x))
 
 

@@ -23,7 +23,8 @@ not run raises ``NotImplementedError`` naming it.
 fp8: e4m3 weights with one float32 scale per expert (``w1_scale``, ``w2_scale``) and activations
 quantized per tensor, ``q = e4m3(clamp(x / s, -448, 448))``, on Hopper's fp8 tensor cores (QGMMA).
 Each GEMM scales expert e's product by ``s * w_scale[e]`` in its epilogue, before the clamp (the
-limit is in physical units) and rounds it to bf16; requant quantizes fc1's bf16 output for fc2.
+limit is in physical units) and rounds it to bf16. fc1 quantizes bf16 hidden states as it gathers
+their rows (no separate pass); requant quantizes fc1's bf16 output for fc2.
 The activation scales are static when the view carries them (``fc1_input_scale``,
 ``fc2_input_scale``, e.g. from calibration) and otherwise dynamic, ``max(|x|) / 448`` computed on
 the device per call. fc1 also takes hidden states already in e4m3 with their scale.
@@ -297,17 +298,23 @@ def _check_hidden_states(fn: str, hidden_states: torch.Tensor, weights: StepFunW
 def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput, enable_pdl: bool = True,
         hidden_states_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GEMM1 with the SwiGLUStep epilogue -> ``[T * top_k, I]`` in permuted row order (bf16 for
-    fp8). fp8: bf16 hidden states are quantized per tensor first (the view's ``fc1_input_scale``,
-    else a dynamic scale); e4m3 ones come with ``hidden_states_scale``."""
+    fp8). fp8: bf16 hidden states are quantized per tensor on their way into GEMM1 (the view's
+    ``fc1_input_scale``, else a dynamic scale); e4m3 ones come with ``hidden_states_scale``."""
     warn_experimental(_FEATURE)
     weights = _check_weights("fc1", weights)
     _check_hidden_states("fc1", hidden_states, weights, hidden_states_scale)
-    x, x_scale = hidden_states, hidden_states_scale
-    if weights.family == "fp8" and x.dtype != torch.float8_e4m3fn:
-        x, x_scale = torch.ops.cake.quantize_fp8(x, weights.fc1_input_scale)
-    return torch.ops.cake.moe_gemm1_swiglu(x, weights.w1, routed.permuted_idx_to_expanded_idx,
+    x_scale = _fc1_input_scale(hidden_states, weights, hidden_states_scale)
+    return torch.ops.cake.moe_gemm1_swiglu(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
                                            routed.expert_offsets, routed.top_k, enable_pdl,
                                            weights.gemm1_clamp_limit, -1, x_scale, weights.w1_scale)
+
+
+def _fc1_input_scale(hidden_states: torch.Tensor, weights: StepFunWeights, hidden_states_scale):
+    """moe_gemm1_swiglu's x_scale: e4m3 hidden states' own; for bf16 ones with fp8 weights, which
+    GEMM1 quantizes on the way in, the static fc1_input_scale (None: dynamic)."""
+    if weights.family == "fp8" and hidden_states.dtype != torch.float8_e4m3fn:
+        return weights.fc1_input_scale
+    return hidden_states_scale
 
 
 def requant(fc1_output: torch.Tensor, weights: StepFunWeights) -> Union[torch.Tensor, QuantizedActivations]:
@@ -452,26 +459,22 @@ def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: Ro
                 enable_pdl: bool = True, hidden_states_scale: Optional[torch.Tensor] = None) -> StepFunStageLaunch:
     """fc1 into ``out [T * top_k, I]`` (bf16) with a uint8 ``workspace`` of
     ``_C.moe_gemm1_workspace_size(T * top_k, H, I, E_local, element_size)`` bytes (element_size of
-    GEMM1's input: 1 for fp8). fp8 with bf16 hidden states also binds their e4m3 copy and scale."""
+    the weights: 1 for fp8, whose GEMM1 quantizes bf16 hidden states on the way in)."""
     warn_experimental(_FEATURE)
     weights = _check_weights("prepare_fc1", weights)
     _check_hidden_states("prepare_fc1", hidden_states, weights, hidden_states_scale)
     rows = routed.expert_ids.numel()
-    quantize = weights.family == "fp8" and hidden_states.dtype != torch.float8_e4m3fn
-    x = _empty_fp8(hidden_states, *hidden_states.shape) if quantize else \
-        QuantizedActivations(hidden_states, hidden_states_scale)
+    x_scale = _fc1_input_scale(hidden_states, weights, hidden_states_scale)
     out = out if out is not None else hidden_states.new_empty((rows, weights.intermediate), dtype=torch.bfloat16)
     if workspace is None:
         workspace = _bytes(_C.moe_gemm1_workspace_size(rows, weights.hidden, weights.intermediate,
-                                                       weights.num_local_experts, x.values.element_size()),
+                                                       weights.num_local_experts, weights.w1.element_size()),
                            hidden_states.device)
 
     def run():
-        if quantize:
-            torch.ops.cake.quantize_fp8_out(hidden_states, weights.fc1_input_scale, x.values, x.scale)
-        torch.ops.cake.moe_gemm1_swiglu_out(x.values, weights.w1, routed.permuted_idx_to_expanded_idx,
+        torch.ops.cake.moe_gemm1_swiglu_out(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
                                             routed.expert_offsets, routed.top_k, out, workspace, enable_pdl,
-                                            weights.gemm1_clamp_limit, -1, x.scale, weights.w1_scale)
+                                            weights.gemm1_clamp_limit, -1, x_scale, weights.w1_scale)
     return _bound("fc1", run, [out])
 
 

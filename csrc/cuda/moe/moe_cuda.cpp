@@ -192,7 +192,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
                 const c10::optional<at::Tensor>& w1_scale, const MoeGemm1Shape& s, at::Tensor& out,
                 const at::Tensor& workspace_in, const char* op) {
-  check_moe_gemm_scales(x_in, x_scale, w1_scale, w1.size(0), "x", op);
+  const bool quantize_x = check_moe_gemm1_scales(x_in, x_scale, w1, w1_scale, op) == MoeGemm1Input::kQuantizeX;
   at::Tensor clamp_limits;
   if (clamp_limits_in) {
     check_clamp_limits(*clamp_limits_in, w1.size(0), x_in, op);
@@ -201,17 +201,20 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   check_gemm_dtype(x_in, op);
   TORCH_CHECK(w1.is_contiguous() && permuted_to_expanded.is_contiguous() && expert_offsets.is_contiguous(), op,
               ": w1, permuted_to_expanded and expert_offsets must be contiguous");
-  TORCH_CHECK(x_in.size(1) * x_in.element_size() % 16 == 0, op, ": CUDA kernels need 16-byte rows (hidden % ",
-              16 / x_in.element_size(), " == 0), got hidden=", x_in.size(1));
+  // 16-byte rows of x and of the gathered GEMM operand (w1's dtype).
+  const int64_t row_elements = 16 / std::min(x_in.element_size(), w1.element_size());
+  TORCH_CHECK(x_in.size(1) % row_elements == 0, op, ": CUDA kernels need 16-byte rows (hidden % ", row_elements,
+              " == 0), got hidden=", x_in.size(1));
   TORCH_CHECK(top_k <= INT32_MAX, op, ": top_k must fit in int32");
   c10::cuda::CUDAGuard guard(x_in.device());
   select_kernel_arch(x_in.get_device(), op);
   const auto x = x_in.contiguous();
   TORCH_CHECK(aligned16(x) && aligned16(out), op, ": x and out must be 16-byte aligned");
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.get_device());
-  const auto h_dtype = moe_gemm_out_dtype(x);
+  // The GEMM's element type: w1's (bfloat16 x quantized to e4m3 on its way in).
+  const auto h_dtype = moe_gemm_out_dtype(w1);
   // A caller's workspace is checked whichever kernel runs (the decode kernel needs none).
-  const auto layout = moe_gemm1_workspace(s.rows, x.size(1), s.intermediate, w1.size(0), x.element_size());
+  const auto layout = moe_gemm1_workspace(s.rows, x.size(1), s.intermediate, w1.size(0), w1.element_size());
   TORCH_CHECK(workspace_in.numel() == 0 ||
                   (workspace_in.scalar_type() == at::kByte && workspace_in.dim() == 1 && workspace_in.is_contiguous() &&
                    workspace_in.numel() >= layout.total && workspace_in.device() == x.device() &&
@@ -219,8 +222,11 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
               op, ": workspace must be a contiguous uint8 tensor of at least ", layout.total, " bytes on ", x.device(),
               " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace_in.scalar_type(), " ", workspace_in.sizes(),
               " on ", workspace_in.device());
-  if (use_decode_kernel(tactic, s.rows, w1.size(1), x.size(1) * x.element_size(), w1.size(0),
-                        tactic_family(GroupedGemmOp::kFwd, x.scalar_type(), h_dtype), op)) {
+  // The decode kernel quantizes x itself: with x_scale, or from x's amax, which each CTA takes
+  // over all of x (a few tokens: at most sm90::kMoeDecodeMaxAmaxElements).
+  const bool decode_fits_x = !quantize_x || x_scale || x.numel() <= sm90::kMoeDecodeMaxAmaxElements;
+  if (decode_fits_x && use_decode_kernel(tactic, s.rows, w1.size(1), x.size(1) * w1.element_size(), w1.size(0),
+                                         tactic_family(GroupedGemmOp::kFwd, w1.scalar_type(), h_dtype), op)) {
     TORCH_CHECK(aligned16(w1), op, ": w1 must be 16-byte aligned");
     at::Tensor w1_scale_contiguous = w1_scale ? w1_scale->contiguous() : at::Tensor();
     sm90::MoeDecodeGemmArgs a;
@@ -233,29 +239,45 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
     a.num_experts = static_cast<int>(w1.size(0));
     a.rows = s.rows;
     a.n = w1.size(1);
-    a.k_bytes = x.size(1) * x.element_size();
+    a.k_bytes = x.size(1) * w1.element_size();
     a.a_scale = x_scale ? x_scale->data_ptr<float>() : nullptr;
+    a.quantize_a = quantize_x;
+    a.a_elements = x.numel();
     a.w_scale = w1_scale ? w1_scale_contiguous.data_ptr<float>() : nullptr;
     a.limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
     a.out = out.data_ptr();
     a.persistent = tactic == kMoeDecodePersistentTactic;
-    sm90::moe_decode_gemm(a, decode_element(x), /*swiglu=*/true, stream, enable_pdl);
+    sm90::moe_decode_gemm(a, decode_element(w1), /*swiglu=*/true, stream, enable_pdl);
     return;
   }
+  TORCH_CHECK(tactic > kMoeDecodeTactic || !quantize_x || decode_fits_x, op, ": the decode kernel quantizes x with "
+              "a dynamic scale for up to ", sm90::kMoeDecodeMaxAmaxElements, " elements, got ", x.numel());
   const auto workspace =
       workspace_in.numel() == 0 ? at::empty({layout.total}, x.options().dtype(at::kByte)) : workspace_in;
-  auto gathered = workspace.narrow(0, 0, layout.gathered_bytes).view(x.scalar_type()).view({s.rows, x.size(1)});
+  auto gathered = workspace.narrow(0, 0, layout.gathered_bytes).view(w1.scalar_type()).view({s.rows, x.size(1)});
   auto h = workspace.narrow(0, layout.h_offset, layout.h_bytes).view(h_dtype).view({s.rows, 2 * s.intermediate});
   auto gemm_workspace = workspace.narrow(0, layout.gemm_offset, layout.gemm_bytes);
 
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
-  sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
-                        static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
+  c10::optional<at::Tensor> gathered_scale = x_scale;
+  if (quantize_x) {
+    // [0]: the scale the gather quantizes with (what the GEMM scales by), [1]: a dynamic scale's amax.
+    auto slots = workspace.narrow(0, layout.scale_offset, 2 * sizeof(float)).view(at::kFloat);
+    sm90::moe_gather_quantize_rows(x.data_ptr(), x.size(0), x.size(1), permuted_to_expanded.data_ptr<int32_t>(),
+                                   static_cast<int>(top_k), num_kept, s.rows,
+                                   x_scale ? x_scale->data_ptr<float>() : nullptr, slots.data_ptr<float>(),
+                                   gathered.data_ptr(), stream, enable_pdl);
+    gathered_scale = slots.narrow(0, 0, 1);
+  } else {
+    sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
+                          static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
+  }
   const auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
   at::Tensor w1_scale_contiguous;
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
-                        /*zero_tail=*/false, tactic, &gemm_workspace, gemm_scales(x_scale, w1_scale, w1_scale_contiguous));
+                        /*zero_tail=*/false, tactic, &gemm_workspace,
+                        gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous));
   sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, expert_offsets.data_ptr<int32_t>(),
                    static_cast<int>(w1.size(0)), clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr,
                    out.data_ptr(), h_dtype == at::kBFloat16, stream, enable_pdl);

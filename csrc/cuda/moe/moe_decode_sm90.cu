@@ -24,6 +24,7 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "cuda/common/pdl.cuh"
+#include "cuda/moe/fp8_e4m3.cuh"
 #include "cuda/moe/moe_kernels.h"
 
 namespace cake::sm90 {
@@ -118,6 +119,8 @@ struct DecodeParams {
   int n = 0;                                    // weight rows per expert
   int k_bytes = 0;
   const float* a_scale = nullptr;               // fp8: alpha = a_scale * w_scale[e]
+  bool quantize_a = false;                      // bfloat16 a rows (2 * k_bytes) quantized to e4m3
+  int64_t a_elements = 0;                       // ... with a dynamic scale: the amax over all of a
   const float* w_scale = nullptr;
   const float* limits = nullptr;                // SwiGLUStep's per-expert limit
   void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
@@ -185,17 +188,60 @@ struct Pass {
   uint32_t sbo;         // bytes between 8-row groups of B
 };
 
+// 16 bfloat16 values (32 bytes) quantized to 16 e4m3 bytes.
+__device__ __forceinline__ uint4 quantize16(const uint8_t* src, float scale) {
+  const uint4 lo = __ldg(reinterpret_cast<const uint4*>(src)), hi = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+  const __nv_bfloat16* v0 = reinterpret_cast<const __nv_bfloat16*>(&lo);
+  const __nv_bfloat16* v1 = reinterpret_cast<const __nv_bfloat16*>(&hi);
+  uint4 q;
+  uint8_t* qb = reinterpret_cast<uint8_t*>(&q);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    qb[j] = quantize_e4m3(__bfloat162float(v0[j]), scale);
+    qb[8 + j] = quantize_e4m3(__bfloat162float(v1[j]), scale);
+  }
+  return q;
+}
+
+// The dynamic scale of bfloat16 a (n elements, n % 8 == 0): this CTA's amax over all of it (the
+// bits of |a|: NaN sorts above every number), as quantize_fp8 computes it.
+__device__ float dynamic_scale(const uint8_t* a, int64_t n) {
+  __shared__ unsigned warp_max[kThreads / 32];
+  unsigned m = 0;
+  for (int64_t i = threadIdx.x; i < n / 8; i += kThreads) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(a) + i);
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = max(m, __float_as_uint(fabsf(__bfloat162float(e[j]))));
+  }
+  m = __reduce_max_sync(0xffffffffu, m);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = max(max(warp_max[0], warp_max[1]), max(warp_max[2], warp_max[3]));
+  return amax_to_scale(__uint_as_float(m));
+}
+
+// The scale a's values are divided by before the GEMM (and its product multiplied by): fp8 a's
+// own, or that of bfloat16 a quantized on the way in. All threads call it (a barrier inside).
+__device__ float a_scale_of(const DecodeParams& p) {
+  if (p.a_scale) return *p.a_scale;
+  return p.quantize_a ? dynamic_scale(p.a, p.a_elements) : 1.0f;
+}
+
 template <bool kGather>
-__device__ void stage_b(const DecodeParams& p, const Pass& s, int chunk, uint8_t* b) {
+__device__ void stage_b(const DecodeParams& p, const Pass& s, int chunk, float a_scale, uint8_t* b) {
   const int begin = chunk * s.chunk_bytes;
   const int bytes = min(s.chunk_bytes, p.k_bytes - begin);
   const int segments = bytes / 16;
+  const int64_t a_row_bytes = p.quantize_a ? 2 * int64_t(p.k_bytes) : p.k_bytes;
   for (int i = threadIdx.x; i < s.rows * segments; i += kThreads) {
     const int n = i / segments, seg = i % segments;
     const int64_t row = s.first_row + n;
     int64_t src_row = row;
     if constexpr (kGather) src_row = p.permuted_to_expanded[row] / p.top_k;  // checked before any wgmma
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.a + src_row * p.k_bytes + begin) + seg);
+    const uint8_t* src = p.a + src_row * a_row_bytes;
+    const uint4 v = p.quantize_a ? quantize16(src + 2 * int64_t(begin + 16 * seg), a_scale)
+                                 : __ldg(reinterpret_cast<const uint4*>(src + begin) + seg);
     const int block = seg / 4, q = seg % 4;
     uint8_t* dst = b + (n / 8) * s.sbo + (4 * block) * 128 + (n % 8) * 16 + 4 * q;
 #pragma unroll
@@ -327,7 +373,7 @@ __device__ __forceinline__ void mma_step_fenced(StepRegs& regs, uint64_t desc0, 
 // tile[weight row][token] (fp32).
 template <class T, bool kSwiGLU, int kBlocks>
 __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* row0, const uint8_t* row1,
-                             uint8_t* ring, uint8_t* b, float* tile) {
+                             float a_scale, uint8_t* ring, uint8_t* b, float* tile) {
   const int steps = p.k_bytes / (64 * kUnroll);
   const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
   const uint32_t sbo16 = s.sbo >> 4;
@@ -345,7 +391,7 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
     const int local = step % s.chunk_steps;
     if (local == 0) {
       __syncthreads();  // the previous chunk's wgmmas (all warps) are done with B
-      stage_b<kSwiGLU>(p, s, step / s.chunk_steps, b);
+      stage_b<kSwiGLU>(p, s, step / s.chunk_steps, a_scale, b);
       __syncthreads();
     }
     mma_step_fenced<T, kBlocks>(regs, desc0, sbo16, local, acc);
@@ -393,14 +439,15 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodePara
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const uint8_t* row0 = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * warp + g) * p.k_bytes + 16 * t;
   const uint8_t* row1 = row0 + 8 * int64_t(p.k_bytes);
-  const float alpha = (p.a_scale ? *p.a_scale : 1.0f) * (p.w_scale ? p.w_scale[e] : 1.0f);
+  const float a_scale = a_scale_of(p);
+  const float alpha = a_scale * (p.w_scale ? p.w_scale[e] : 1.0f);
 
   for (int64_t first = row_begin; first < row_end; first += kRowsPerPass) {
     const Pass s = make_pass(p, first, row_end);
     if (s.blocks == 1) {
-      pass_product<T, kSwiGLU, 1>(p, s, row0, row1, ring, b, tile);
+      pass_product<T, kSwiGLU, 1>(p, s, row0, row1, a_scale, ring, b, tile);
     } else {
-      pass_product<T, kSwiGLU, kNBlocks>(p, s, row0, row1, ring, b, tile);
+      pass_product<T, kSwiGLU, kNBlocks>(p, s, row0, row1, a_scale, ring, b, tile);
     }
     write_pass<T, kSwiGLU>(p, s, e, m_tile, alpha, tile);
   }
@@ -522,6 +569,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_persistent_kernel
   Pass s = {};
   uint64_t desc0 = 0;
   float alpha = 1.0f;
+  const float a_scale = a_scale_of(p);
 #pragma unroll 1
   for (int step = 0; cons.valid(); ++step) {
     if (prod.valid()) {
@@ -535,14 +583,14 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_persistent_kernel
     if (cons.step == 0) {  // a pass starts
       s = make_pass(p, cons.row_begin + int64_t(cons.pass) * kRowsPerPass, cons.row_end);
       desc0 = b_descriptor(b_addr, s.sbo);
-      alpha = (p.a_scale ? *p.a_scale : 1.0f) * (p.w_scale ? p.w_scale[cons.e] : 1.0f);
+      alpha = a_scale * (p.w_scale ? p.w_scale[cons.e] : 1.0f);
       zero(acc1);
       zero(acc4);
     }
     const int local = cons.step % s.chunk_steps;
     if (local == 0) {
       __syncthreads();  // the previous chunk's (or pass's) wgmmas and epilogue are done with B and the tile
-      stage_b<kSwiGLU>(p, s, cons.step / s.chunk_steps, b);
+      stage_b<kSwiGLU>(p, s, cons.step / s.chunk_steps, a_scale, b);
       __syncthreads();
     }
     if (s.blocks == 1) {
@@ -614,6 +662,8 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
   p.limits = a.limits;
   p.out = a.out;
   p.persistent = a.persistent;
+  p.quantize_a = a.quantize_a;
+  p.a_elements = a.a_elements;
   switch (element) {
     case MoeDecodeElement::kBFloat16:
       return swiglu ? launch<__nv_bfloat16, true>(p, stream, pdl) : launch<__nv_bfloat16, false>(p, stream, pdl);

@@ -37,6 +37,14 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
                      int top_k, const int32_t* num_kept, int64_t rows, void* gathered,
                      cudaStream_t stream, bool pdl);
 
+// moe_gather_rows of bfloat16 x quantized to e4m3 on the way: gathered[p] = e4m3(x[token] / s)
+// (hidden % 16 == 0). s = *static_scale, or with static_scale null the dynamic
+// max(amax(|x|), 1e-12) / 448 over all of x ([tokens, hidden]); slots[0] = s (float32), slots[1]
+// holds the amax on the way. Bit for bit fp8_quantize then moe_gather_rows.
+void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, const int32_t* permuted_to_expanded,
+                              int top_k, const int32_t* num_kept, int64_t rows, const float* static_scale,
+                              float* slots, void* gathered, cudaStream_t stream, bool pdl);
+
 // out[p, j] = silu(gate) * up of h[p] ([rows, 2I], up/gate interleaved at 32 columns), in fp32,
 // rounded once to the element type; rows p >= offsets[E] get zeros. With `limits` (float32
 // [E]): SwiGLUStep, min(silu(gate), L) * clamp(up, -L, L), L the limit of row p's expert.
@@ -75,6 +83,8 @@ void fp8_quantize(const void* x, FloatType type, int64_t n, const float* scale, 
 // zeroed. GEMM2: a = [rows, K], out [rows, n], rows past the last expert unwritten. Output
 // bfloat16 (float16 for float16 inputs); fp8: the product scaled by a_scale * w_scale[e] first.
 constexpr int64_t kMoeDecodeStepBytes = 256;
+// A dynamic scale for bfloat16 a is each CTA's own amax over all of a: up to this many elements.
+constexpr int64_t kMoeDecodeMaxAmaxElements = int64_t(1) << 15;
 enum class MoeDecodeElement { kBFloat16, kHalf, kE4m3 };
 struct MoeDecodeGemmArgs {
   const void* a = nullptr;
@@ -88,6 +98,8 @@ struct MoeDecodeGemmArgs {
   int64_t n = 0;
   int64_t k_bytes = 0;
   const float* a_scale = nullptr;  // fp8
+  bool quantize_a = false;         // bfloat16 a quantized to e4m3 (a_scale, or dynamic over a_elements)
+  int64_t a_elements = 0;
   const float* w_scale = nullptr;  // fp8, [E]
   const float* limits = nullptr;   // GEMM1's SwiGLUStep, [E]
   void* out = nullptr;

@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 
 #include "cuda/common/pdl.cuh"
+#include "cuda/moe/fp8_e4m3.cuh"
 #include "cuda/moe/moe_kernels.h"
 #include "moe_checks.h"
 
@@ -532,17 +533,6 @@ constexpr int64_t kQuantOneBlockMaxElements = int64_t(1) << 16;
 template <class T>
 constexpr int kQuantVec = 16 / sizeof(T);
 
-// The CPU implementation's max(amax, kFp8MinAmax) / 448, NaN kept.
-__device__ __forceinline__ float amax_to_scale(float amax) {
-  return isnan(amax) ? amax : __fdiv_rn(fmaxf(amax, kFp8MinAmax), kE4m3Max);
-}
-
-__device__ __forceinline__ __nv_fp8_storage_t quantize_e4m3(float v, float scale) {
-  float q = __fdiv_rn(v, scale);
-  if (!isnan(q)) q = fminf(fmaxf(q, -kE4m3Max), kE4m3Max);
-  return __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
-}
-
 // This thread's max of |x| bits over elements first, first + stride, ...
 template <class T>
 __device__ __forceinline__ unsigned amax_bits_strided(const T* x, int64_t n, int64_t first, int64_t stride) {
@@ -621,6 +611,58 @@ __global__ void __launch_bounds__(kQuantOneBlockThreads)
   const float scale = amax_to_scale(__uint_as_float(m));
   if (threadIdx.x == 0) *scale_out = scale;
   quantize_strided(x, n, scale, out, threadIdx.x, blockDim.x);
+}
+
+// The gather of GEMM1's rows quantized to e4m3 on the way (bfloat16 x with fp8 weights): one
+// warp per row as moe_gather_kernel, 8 elements per 16-byte load. The scale: static (*static_scale),
+// or dynamic from the amax of all of x: each block's own (kOwnAmax: small x, read from L2 by every
+// block, no kernel before) or the amax a fp8_amax_kernel left in amax_bits. Block 0 writes it to
+// *scale_out, which the grouped GEMM then scales by.
+enum class GatherScale { kStatic, kOwnAmax, kAmaxBits };
+
+template <GatherScale kScale>
+__global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
+    moe_gather_quantize_kernel(const __nv_bfloat16* x, int64_t x_elements, int64_t hidden,
+                               const int32_t* permuted_to_expanded, int top_k, const int32_t* num_kept, int64_t rows,
+                               const float* static_scale, const unsigned* amax_bits, float* scale_out,
+                               __nv_fp8_storage_t* gathered) {
+  __shared__ unsigned warp_max[kGatherRowsPerBlock];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float scale;
+  if constexpr (kScale == GatherScale::kStatic) {
+    scale = *static_scale;
+  } else if constexpr (kScale == GatherScale::kOwnAmax) {
+    unsigned m = __reduce_max_sync(0xffffffffu, amax_bits_strided(x, x_elements, threadIdx.x, blockDim.x));
+    if (lane == 0) warp_max[warp] = m;
+    __syncthreads();
+    m = __reduce_max_sync(0xffffffffu, lane < kGatherRowsPerBlock ? warp_max[lane] : 0u);
+    scale = amax_to_scale(__uint_as_float(m));
+  } else {
+    scale = amax_to_scale(__uint_as_float(*amax_bits));
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
+  const int64_t row = int64_t(blockIdx.x) * kGatherRowsPerBlock + warp;
+  if (row >= rows || row >= *num_kept) return;
+  const int32_t expanded = permuted_to_expanded[row];
+  if (expanded < 0 || expanded >= rows) {
+    __assert_fail("cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices in [0, num_tokens * top_k) "
+                  "for the rows below expert_offsets[E]", __FILE__, __LINE__, __func__);
+  }
+  struct alignas(8) Bytes8 {
+    __nv_fp8_storage_t b[8];
+  };
+  const uint4* __restrict__ src = reinterpret_cast<const uint4*>(x + (expanded / top_k) * hidden);
+  Bytes8* __restrict__ dst = reinterpret_cast<Bytes8*>(gathered + row * hidden);
+  for (int64_t i = lane; i < hidden / 8; i += 32) {
+    const uint4 v = src[i];
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+    Bytes8 q;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) q.b[j] = quantize_e4m3(load_float(e + j), scale);
+    dst[i] = q;
+  }
 }
 
 template <class T>
@@ -715,6 +757,35 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
   launch_kernel(moe_gather_kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * kGatherRowsPerBlock), 0,
                 stream, pdl, static_cast<const uint4*>(x), row_bytes / 16, permuted_to_expanded, top_k,
                 num_kept, rows, static_cast<uint4*>(gathered));
+}
+
+void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, const int32_t* permuted_to_expanded,
+                              int top_k, const int32_t* num_kept, int64_t rows, const float* static_scale,
+                              float* slots, void* gathered, cudaStream_t stream, bool pdl) {
+  if (rows == 0 || hidden == 0) return;
+  TORCH_CHECK(hidden % 16 == 0, "cake MoE gather: hidden must be a multiple of 16 (internal error)");
+  const auto xb = static_cast<const __nv_bfloat16*>(x);
+  const int64_t n = tokens * hidden;
+  const dim3 grid(static_cast<unsigned>((rows + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock));
+  const dim3 block(32 * kGatherRowsPerBlock);
+  auto q = static_cast<__nv_fp8_storage_t*>(gathered);
+  auto amax_bits = reinterpret_cast<unsigned*>(slots + 1);
+  if (static_scale != nullptr) {
+    launch_kernel(moe_gather_quantize_kernel<GatherScale::kStatic>, grid, block, 0, stream, pdl, xb, n, hidden,
+                  permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
+  } else if (n <= kQuantOneBlockMaxElements) {
+    launch_kernel(moe_gather_quantize_kernel<GatherScale::kOwnAmax>, grid, block, 0, stream, pdl, xb, n, hidden,
+                  permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
+  } else {
+    // The memset is no kernel: the amax kernel after it launches without PDL.
+    C10_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned), stream));
+    const int64_t per_block = int64_t(kQuantThreads) * kQuantVec<__nv_bfloat16>;
+    const int64_t amax_blocks = std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kQuantMaxBlocks);
+    launch_kernel(fp8_amax_kernel<__nv_bfloat16>, dim3(static_cast<unsigned>(amax_blocks)), dim3(kQuantThreads), 0,
+                  stream, false, xb, n, amax_bits);
+    launch_kernel(moe_gather_quantize_kernel<GatherScale::kAmaxBits>, grid, block, 0, stream, pdl, xb, n, hidden,
+                  permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
+  }
 }
 
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,

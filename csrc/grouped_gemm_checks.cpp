@@ -50,7 +50,13 @@ GroupedGemmShape check_fwd(const at::Tensor& x, const at::Tensor& w, const at::T
   check_dims(x, 2, "x", "[sum_m, K]", op);
   check_dims(w, 3, "w", "[E, N, K]", op);
   if (!allow_e4m3 || x.scalar_type() != at::kFloat8_e4m3fn) check_float_dtype(x, "x", op);
-  check_same(x, "x", w, "w", op);
+  if (allow_e4m3 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat8_e4m3fn) {
+    // The MoE op quantizes x: only the devices must agree.
+    TORCH_CHECK(w.device() == x.device(), op, ": x and w must be on the same device, got ", x.device(), " and ",
+                w.device());
+  } else {
+    check_same(x, "x", w, "w", op);
+  }
   TORCH_CHECK(x.size(1) == w.size(2), op, ": K mismatch: x is [sum_m, K] with K=", x.size(1),
               " but w is [E, N, K] with K=", w.size(2));
   check_contiguous(x, "x", "[sum_m, K]", op);

@@ -34,8 +34,8 @@ struct GroupedGemmShape {
   bool indptr = false;     // offs has E + 1 entries, the first a zero
 };
 
-// allow_e4m3: float8_e4m3fn x and w too (the MoE GEMMs' fp8 family; the grouped GEMM ops are
-// 16-bit and wider).
+// allow_e4m3: float8_e4m3fn x and w too, and bfloat16 x with float8_e4m3fn w (the MoE GEMMs'
+// fp8 family, which quantize such x; the grouped GEMM ops are 16-bit and wider).
 GroupedGemmShape check_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs,
                            const char* op, bool allow_e4m3 = false);
 GroupedGemmShape check_dgrad(const at::Tensor& grad_out, const at::Tensor& w,

@@ -139,16 +139,17 @@ bool check_moe_gemm_scales(const at::Tensor& a, const c10::optional<at::Tensor>&
   return true;
 }
 
-MoeGemm1Input check_moe_gemm1_scales(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale,
-                                     const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale, const char* op) {
-  if (x.scalar_type() == at::kBFloat16 && w1.scalar_type() == at::kFloat8_e4m3fn) {
-    TORCH_CHECK(w1_scale, op, ": float8_e4m3fn w1 needs its scales (one per local expert)");
-    check_weight_scales(*w1_scale, w1.size(0), x, op);
-    if (x_scale) check_activation_scale(*x_scale, x, "x", op);
-    return MoeGemm1Input::kQuantizeX;
+MoeGemmInput check_moe_gemm_input(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale, const at::Tensor& w,
+                                  const c10::optional<at::Tensor>& w_scale, const char* a_name, const char* w_name,
+                                  const char* op) {
+  if (a.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(w_scale, op, ": float8_e4m3fn ", w_name, " needs its scales (one per local expert)");
+    check_weight_scales(*w_scale, w.size(0), a, op);
+    if (a_scale) check_activation_scale(*a_scale, a, a_name, op);
+    return MoeGemmInput::kQuantizeA;
   }
-  return check_moe_gemm_scales(x, x_scale, w1_scale, w1.size(0), "x", op) ? MoeGemm1Input::kFp8
-                                                                          : MoeGemm1Input::k16Bit;
+  return check_moe_gemm_scales(a, a_scale, w_scale, w.size(0), a_name, op) ? MoeGemmInput::kFp8
+                                                                           : MoeGemmInput::k16Bit;
 }
 
 at::ScalarType moe_gemm_out_dtype(const at::Tensor& a) {

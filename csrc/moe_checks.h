@@ -96,13 +96,15 @@ GroupedGemmShape check_moe_gemm2_out(const at::Tensor& intermediate, const at::T
 bool check_moe_gemm_scales(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale,
                            const c10::optional<at::Tensor>& w_scale, int64_t num_local_experts, const char* a_name,
                            const char* op);
-// What GEMM1 does with x: 16-bit x and w1 of one dtype, no scales; float8_e4m3fn x and w1 with
-// their scales (check_moe_gemm_scales); or bfloat16 x with float8_e4m3fn w1 and w1's scales, x
-// quantized per tensor on its way into the gather (x_scale: its static scale; absent: the
-// dynamic max|x| / 448), bit for bit quantize_fp8 then the float8_e4m3fn path.
-enum class MoeGemm1Input { k16Bit, kFp8, kQuantizeX };
-MoeGemm1Input check_moe_gemm1_scales(const at::Tensor& x, const c10::optional<at::Tensor>& x_scale,
-                                     const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale, const char* op);
+// What a MoE GEMM does with its activations a (GEMM1's x, GEMM2's intermediate): 16-bit a and w
+// of one dtype, no scales; float8_e4m3fn a and w with their scales (check_moe_gemm_scales); or
+// bfloat16 a with float8_e4m3fn w and w's scales, a quantized per tensor on its way in (a_scale:
+// its static scale; absent: the dynamic max|a| / 448), bit for bit quantize_fp8 then the
+// float8_e4m3fn path.
+enum class MoeGemmInput { k16Bit, kFp8, kQuantizeA };
+MoeGemmInput check_moe_gemm_input(const at::Tensor& a, const c10::optional<at::Tensor>& a_scale, const at::Tensor& w,
+                                  const c10::optional<at::Tensor>& w_scale, const char* a_name, const char* w_name,
+                                  const char* op);
 // A MoE GEMM's output dtype: bfloat16 for float8_e4m3fn activations, else theirs.
 at::ScalarType moe_gemm_out_dtype(const at::Tensor& a);
 

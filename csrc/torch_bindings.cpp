@@ -75,7 +75,9 @@ TORCH_LIBRARY(cake, m) {
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
       "Tensor? w1_scale=None) -> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
-  // [T * top_k, H] permuted rows, unscaled. Rows past the last expert's end belong to no route
+  // [T * top_k, H] permuted rows, unscaled. bfloat16 intermediate with float8_e4m3fn w2: quantized
+  // per tensor on the way in (a_scale static, or dynamic), bit for bit quantize_fp8 then the fp8
+  // path -- in the decode kernel's staging when it takes them, else into a temporary. Rows past the last expert's end belong to no route
   // and are left unwritten on CUDA (moe_finalize never reads them; with expert parallelism they
   // are most of the tensor).
   m.def(

@@ -268,6 +268,28 @@ def test_gemm1_quantizes_bf16_x_as_quantize_fp8(device, t):
         assert torch.equal(out[:kept], want[:kept])
 
 
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_fc2_quantizing_its_input_is_requant_then_fc2(device, t, static):
+    # Decode plans fold requant into fc2 (moe_gemm2 takes fc1's bf16 output with e4m3 w2): bit
+    # for bit quantize_fp8 then the e4m3 GEMM, stage by stage and for the whole forward.
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, t, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).to(device), family="fp8",
+                                 fc2_input_scale=49.0 / 448 if static else None)
+    plan = sm.default_plan("fp8", t, k, e, inter)
+    assert "requant" not in plan.stages
+    routed = sm.routing(logits, top_k=k, num_experts=e, tile_size=plan.tile_size)
+    act = sm.fc1(x, weights, routed)
+    kept = int(routed.expert_offsets[-1])
+    staged = sm.fc2(sm.requant(act, weights), weights, routed)
+    assert torch.equal(sm.fc2(act, weights, routed)[:kept], staged[:kept])
+    with_requant = sm.Plan("fp8", plan.tile_size, ("routing", "fc1", "requant", "fc2", "finalize"))
+    want = sm.stepfun_moe(x, weights, logits, top_k=k, plan=with_requant)
+    assert torch.equal(sm.stepfun_moe(x, weights, logits, top_k=k), want)
+    assert torch.equal(sm.prepare_stepfun_moe(x, weights, logits, top_k=k).launch(), want)
+
+
 def test_fp8_static_scales_and_e4m3_hidden_states(device):
     hidden, inter, e, k, _ = geometry(device)
     x, logits, w1, w2 = make(device, 64, hidden, inter, e, k)
@@ -368,9 +390,10 @@ def test_prepared_stages_on_caller_buffers(device, family):
 
 @cuda_only
 @families
-def test_prepared_launch_allocates_nothing_and_replays_in_a_graph(family):
+@pytest.mark.parametrize("t", [1, 64])  # fp8 at T=1: fc2 quantizing its input (the decode kernel)
+def test_prepared_launch_allocates_nothing_and_replays_in_a_graph(family, t):
     hidden, inter, e, k, _ = geometry("cuda")
-    x, logits, w1, w2 = make("cuda", 64, hidden, inter, e, k)
+    x, logits, w1, w2 = make("cuda", t, hidden, inter, e, k)
     weights = sm.prepare_weights(w1, w2, 7.0, family=family)
     launch = sm.prepare_stepfun_moe(x, weights, logits, top_k=k)
     torch.cuda.synchronize()
@@ -480,6 +503,10 @@ def test_ops_opcheck():
     torch.library.opcheck(torch.ops.cake.moe_gemm2_out, (a_q, fp8.w2, routed.expert_offsets, x.new_empty(48, 64),
                                                          torch.empty(0, dtype=torch.uint8), True, -1, a_scale,
                                                          fp8.w2_scale), test_utils=FP8_OPCHECKS)
+    act_bf16 = torch.ops.cake.moe_gemm1_swiglu(*gemm1)
+    for scale in (None, torch.tensor([0.1])):  # bf16 intermediate quantized on the way in (requant folded)
+        torch.library.opcheck(torch.ops.cake.moe_gemm2, (act_bf16, fp8.w2, routed.expert_offsets, True, -1, scale,
+                                                         fp8.w2_scale), test_utils=FP8_OPCHECKS)
 
 
 def test_plans():
@@ -488,7 +515,11 @@ def test_plans():
     assert all(p.stages == ("routing", "fc1", "fc2", "finalize") for p in plans)
     assert sm.default_plan("bf16", 8, 8, 64, 1536).tile_size == 64
     assert sm.default_plan("bf16", 2048, 8, 64, 1536).tile_size == 128
-    assert [p.stages for p in sm.plans_for("fp8")] == [("routing", "fc1", "requant", "fc2", "finalize")] * 2
+    assert [p.stages for p in sm.plans_for("fp8")] == ([("routing", "fc1", "requant", "fc2", "finalize")] * 2 +
+                                                       [("routing", "fc1", "fc2", "finalize")] * 2)
+    # Decode: fc2 quantizes fc1's output itself (one launch fewer); larger: requant.
+    assert "requant" not in sm.default_plan("fp8", 1, 8, 64, 1536).stages
+    assert "requant" in sm.default_plan("fp8", 8, 8, 64, 1536).stages
     with pytest.raises(NotImplementedError, match="'nvfp4' weight family is not implemented yet"):
         sm.plans_for("nvfp4")
     with pytest.raises(ValueError, match="family must be one of"):
@@ -548,7 +579,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2, 7.0, family="fp8", fc2_input_scale=-1.0), """cake_ops.stepfun_moe.prepare_weights: fc2_input_scale must be one positive finite number, got -1.0""")
         self.assertExpectedInline(self.message(ValueError, sm.prepare_weights, w1, w2, 7.0, fc1_input_scale=1.0), """cake_ops.stepfun_moe.prepare_weights: the bf16 family takes no scales""")
         self.assertExpectedInline(self.message(ValueError, sm.stepfun_moe, x_q, fp8, logits, top_k=2), """cake_ops.stepfun_moe.stepfun_moe: hidden_states_scale goes with float8_e4m3fn hidden_states (and only with them)""")
-        self.assertExpectedInline(self.message(TypeError, sm.fc2, torch.zeros(8, 32), fp8, routed), """cake_ops.stepfun_moe.fc2: the fp8 family's fc2 takes requant's QuantizedActivations, got Tensor""")
+        self.assertExpectedInline(self.message(TypeError, sm.fc2, torch.zeros(8, 32), fp8, routed), """cake_ops.stepfun_moe.fc2: the fp8 family's fc2 takes requant's QuantizedActivations or fc1's bfloat16 output, got torch.float32 Tensor""")
 
     def test_clamp_limit_errors(self):
         x, _, w1, w2 = make("cpu", 4, 64, 32, 4, 2)

@@ -92,12 +92,12 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const c10::optional<at::Tensor>& w1_scale) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
-  const auto input = check_moe_gemm1_scales(x, x_scale, w1, w1_scale, op);
+  const auto input = check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op);
   if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
   at::Tensor xq = x;
   c10::optional<at::Tensor> xq_scale = x_scale;
-  if (input == MoeGemm1Input::kQuantizeX) std::tie(xq, xq_scale) = quantize_fp8(x, x_scale);
-  const bool fp8 = input != MoeGemm1Input::k16Bit;
+  if (input == MoeGemmInput::kQuantizeA) std::tie(xq, xq_scale) = quantize_fp8(x, x_scale);
+  const bool fp8 = input != MoeGemmInput::k16Bit;
   const auto token = at::floor_divide(permuted_to_expanded.clamp_min(0).to(at::kLong), top_k);
   // Permuted rows past the last expert's end come out of the grouped GEMM as zeros.
   const auto rows = (fp8 ? xq.to(at::kFloat) : xq).index_select(0, token);  // e4m3 values are exact in float32
@@ -178,8 +178,12 @@ at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const
                      const c10::optional<at::Tensor>& w2_scale) {
   const char* op = "cake::moe_gemm2";
   check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
-  const bool fp8 = check_moe_gemm_scales(intermediate, a_scale, w2_scale, w2.size(0), "intermediate", op);
-  return moe_gemm(intermediate, w2, expert_offsets, fp8, a_scale, w2_scale);
+  const auto input = check_moe_gemm_input(intermediate, a_scale, w2, w2_scale, "intermediate", "w2", op);
+  if (input == MoeGemmInput::kQuantizeA) {
+    const auto [a, scale] = quantize_fp8(intermediate, a_scale);
+    return moe_gemm(a, w2, expert_offsets, /*fp8=*/true, scale, w2_scale);
+  }
+  return moe_gemm(intermediate, w2, expert_offsets, input == MoeGemmInput::kFp8, a_scale, w2_scale);
 }
 
 void moe_gemm2_out(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,

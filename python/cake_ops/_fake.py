@@ -21,7 +21,8 @@ def _check_dims(t, dim, name, layout, op):
 def _check_pair(a, a_name, b, b_name, op, allow_e4m3=False):
     _check(a.dtype in _FLOAT_DTYPES or (allow_e4m3 and a.dtype == torch.float8_e4m3fn),
            f"{op}: {a_name} must be bfloat16, float16, float32 or float64, got {a.dtype}")
-    _check(a.dtype == b.dtype,
+    quantized_by_op = allow_e4m3 and a.dtype == torch.bfloat16 and b.dtype == torch.float8_e4m3fn
+    _check(a.dtype == b.dtype or quantized_by_op,
            f"{op}: {a_name} and {b_name} must have the same dtype, got {a.dtype} and {b.dtype}")
     _check(a.device == b.device,
            f"{op}: {a_name} and {b_name} must be on the same device, got {a.device} and {b.device}")
@@ -175,15 +176,15 @@ def _check_moe_gemm_scales(a, a_scale, w_scale, num_local_experts, a_name, op):
     _check_weight_scales(w_scale, num_local_experts, op)
 
 
-def _check_moe_gemm1_scales(x, x_scale, w1, w1_scale, op):
-    """check_moe_gemm1_scales: bfloat16 x with float8_e4m3fn w1 is quantized on its way in."""
-    if x.dtype == torch.bfloat16 and w1.dtype == torch.float8_e4m3fn:
-        _check(w1_scale is not None, f"{op}: float8_e4m3fn w1 needs its scales (one per local expert)")
-        _check_weight_scales(w1_scale, w1.shape[0], op)
-        if x_scale is not None:
-            _check_activation_scale(x_scale, "x", op)
+def _check_moe_gemm_input(a, a_scale, w, w_scale, a_name, w_name, op):
+    """check_moe_gemm_input: bfloat16 a with float8_e4m3fn w is quantized on its way in."""
+    if a.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn:
+        _check(w_scale is not None, f"{op}: float8_e4m3fn {w_name} needs its scales (one per local expert)")
+        _check_weight_scales(w_scale, w.shape[0], op)
+        if a_scale is not None:
+            _check_activation_scale(a_scale, a_name, op)
         return
-    _check_moe_gemm_scales(x, x_scale, w1_scale, w1.shape[0], "x", op)
+    _check_moe_gemm_scales(a, a_scale, w_scale, w.shape[0], a_name, op)
 
 
 @register_fake("cake::moe_gemm1_swiglu")
@@ -198,7 +199,7 @@ def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, e
            f"{w1.dtype}")
     _check(permuted_to_expanded.shape == (x.shape[0] * top_k,),
            f"{op}: permuted_to_expanded must be int32 [num_tokens * top_k] = [{x.shape[0] * top_k}]")
-    _check_moe_gemm1_scales(x, x_scale, w1, w1_scale, op)
+    _check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op)
     return x.new_empty((x.shape[0] * top_k, w1.shape[1] // 2), dtype=_moe_gemm_out_dtype(x))
 
 
@@ -206,7 +207,7 @@ def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, e
 def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True, tactic=-1, a_scale=None, w2_scale=None):
     op = "cake::moe_gemm2"
     shape = check_fwd(intermediate, w2, expert_offsets, op, allow_e4m3=True)
-    _check_moe_gemm_scales(intermediate, a_scale, w2_scale, w2.shape[0], "intermediate", op)
+    _check_moe_gemm_input(intermediate, a_scale, w2, w2_scale, "intermediate", "w2", op)
     return intermediate.new_empty(shape, dtype=_moe_gemm_out_dtype(intermediate))
 
 

@@ -90,20 +90,32 @@ class Plan:
             _fail("Plan", f"stages must be drawn from {STAGES} with routing and fc1, got {self.stages}")
 
 
-def _stages(family: str) -> tuple:
-    return tuple(s for s in STAGES if s != "requant" or family != "bf16")
+def _stages(family: str, fc2_quantizes: bool = False) -> tuple:
+    """bf16 has no requant; fp8's fc2 can quantize fc1's output itself (bit for bit requant)."""
+    return tuple(s for s in STAGES if s != "requant" or (family != "bf16" and not fc2_quantizes))
+
+
+# fc2 quantizing its own input pays at decode: the decode kernel takes the amax of fc1's output in
+# each CTA (up to this many elements, cake_ops/_C's kMoeDecodeMaxAmaxElements) while staging it,
+# one launch fewer than requant + fc2. Larger: a separate requant.
+_FC2_QUANTIZES_MAX_ROWS = 16
+_FC2_QUANTIZES_MAX_ELEMENTS = 1 << 15
 
 
 def plans_for(family: str) -> List[Plan]:
-    """Every plan of a family (one per tile size)."""
+    """Every plan of a family: one per tile size; fp8 also with fc2 quantizing its input."""
     _check_family("plans_for", family)
-    return [Plan(family, tile, _stages(family)) for tile in (64, 128)]
+    folds = (False, True) if family == "fp8" else (False,)
+    return [Plan(family, tile, _stages(family, fold)) for fold in folds for tile in (64, 128)]
 
 
 def default_plan(family: str, num_tokens: int, top_k: int, num_local_experts: int, intermediate: int) -> Plan:
-    """The family's plan with the tile rule of fused_moe_bf16 (64 below 64 rows per expert)."""
+    """The family's plan with the tile rule of fused_moe_bf16 (64 below 64 rows per expert); fp8
+    at decode sizes folds requant into fc2."""
     _check_family("default_plan", family)
-    return Plan(family, default_tile_size(num_tokens, top_k, num_local_experts, intermediate), _stages(family))
+    rows = num_tokens * top_k
+    fold = family == "fp8" and rows <= _FC2_QUANTIZES_MAX_ROWS and rows * intermediate <= _FC2_QUANTIZES_MAX_ELEMENTS
+    return Plan(family, default_tile_size(num_tokens, top_k, num_local_experts, intermediate), _stages(family, fold))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,14 +340,18 @@ def requant(fc1_output: torch.Tensor, weights: StepFunWeights) -> Union[torch.Te
 
 
 def _fc2_operands(fn: str, activations, weights: StepFunWeights):
-    """fc2's activations and scale for moe_gemm2: requant's output for quantized families."""
+    """fc2's activations and scale for moe_gemm2: requant's output for quantized families, or fp8's
+    bf16 fc1 output, which moe_gemm2 quantizes as requant would (``fc2_input_scale`` or dynamic)."""
     if weights.family == "bf16":
         if not isinstance(activations, torch.Tensor):
             _fail(fn, f"the bf16 family's fc2 takes fc1's output tensor, got {type(activations).__name__}", TypeError)
         return activations, None
+    if isinstance(activations, torch.Tensor) and activations.dtype == torch.bfloat16:
+        return activations, weights.fc2_input_scale
     if not isinstance(activations, QuantizedActivations):
-        _fail(fn, f"the {weights.family} family's fc2 takes requant's QuantizedActivations, got "
-                  f"{type(activations).__name__}", TypeError)
+        got = f"{activations.dtype} Tensor" if isinstance(activations, torch.Tensor) else type(activations).__name__
+        _fail(fn, f"the {weights.family} family's fc2 takes requant's QuantizedActivations or fc1's bfloat16 "
+                  f"output, got {got}", TypeError)
     return activations.values, activations.scale
 
 

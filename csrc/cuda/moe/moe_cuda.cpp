@@ -192,7 +192,8 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
                 const c10::optional<at::Tensor>& w1_scale, const MoeGemm1Shape& s, at::Tensor& out,
                 const at::Tensor& workspace_in, const char* op) {
-  const bool quantize_x = check_moe_gemm1_scales(x_in, x_scale, w1, w1_scale, op) == MoeGemm1Input::kQuantizeX;
+  const bool quantize_x =
+      check_moe_gemm_input(x_in, x_scale, w1, w1_scale, "x", "w1", op) == MoeGemmInput::kQuantizeA;
   at::Tensor clamp_limits;
   if (clamp_limits_in) {
     check_clamp_limits(*clamp_limits_in, w1.size(0), x_in, op);
@@ -308,17 +309,30 @@ void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const 
 
 // GEMM2 into `out`. Rows past the last expert's end stay unwritten (the schema's contract): no
 // route reads them.
+void quantize_into(const at::Tensor& x_in, const c10::optional<at::Tensor>& scale, at::Tensor& out,
+                   at::Tensor& scale_out, const char* op);
+
 void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                 const GroupedGemmShape& shape, at::Tensor& out, at::Tensor* workspace, bool enable_pdl,
                 int64_t tactic, const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale,
                 const char* op) {
   check_gemm_dtype(intermediate, op);
-  check_moe_gemm_scales(intermediate, a_scale, w2_scale, w2.size(0), "intermediate", op);
+  const bool quantize_a = check_moe_gemm_input(intermediate, a_scale, w2, w2_scale, "intermediate", "w2", op) ==
+                          MoeGemmInput::kQuantizeA;
   c10::cuda::CUDAGuard guard(intermediate.device());
+  select_kernel_arch(intermediate.get_device(), op);
   at::Tensor w2_scale_contiguous;
-  if (use_decode_kernel(tactic, shape.sum_m, shape.n, shape.k * intermediate.element_size(), shape.num_groups,
-                        tactic_family(GroupedGemmOp::kFwd, intermediate.scalar_type(), out.scalar_type()), op)) {
-    select_kernel_arch(intermediate.get_device(), op);
+  const int64_t k_bytes = shape.k * w2.element_size();
+  const auto family = tactic_family(GroupedGemmOp::kFwd, w2.scalar_type(), out.scalar_type());
+  // bfloat16 activations with e4m3 w2 (fc2 folding requant in): the decode kernel quantizes them
+  // while staging whenever it takes them (a dynamic scale: each CTA's amax over all of them), so
+  // that a prepared launch allocates nothing; else a quantized copy for the grouped GEMM.
+  const bool decode_fits_a = !quantize_a || a_scale || intermediate.numel() <= sm90::kMoeDecodeMaxAmaxElements;
+  const bool decode =
+      decode_fits_a &&
+      (use_decode_kernel(tactic, shape.sum_m, shape.n, k_bytes, shape.num_groups, family, op) ||
+       (quantize_a && tactic == -1 && sm90::moe_decode_gemm_fits(shape.n, k_bytes, shape.num_groups)));
+  if (decode) {
     const auto a_in = intermediate.contiguous();
     TORCH_CHECK(w2.is_contiguous() && expert_offsets.is_contiguous() && aligned16(a_in) && aligned16(out) &&
                     aligned16(w2),
@@ -332,13 +346,25 @@ void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::
     a.num_experts = static_cast<int>(shape.num_groups);
     a.rows = shape.sum_m;
     a.n = shape.n;
-    a.k_bytes = shape.k * intermediate.element_size();
+    a.k_bytes = k_bytes;
     a.a_scale = a_scale ? a_scale->data_ptr<float>() : nullptr;
+    a.quantize_a = quantize_a;
+    a.a_elements = a_in.numel();
     a.w_scale = w2_scale ? w2_scale_contiguous.data_ptr<float>() : nullptr;
     a.out = out.data_ptr();
     a.persistent = tactic == kMoeDecodePersistentTactic;
-    sm90::moe_decode_gemm(a, decode_element(intermediate), /*swiglu=*/false,
+    sm90::moe_decode_gemm(a, decode_element(w2), /*swiglu=*/false,
                           at::cuda::getCurrentCUDAStream(intermediate.get_device()), enable_pdl);
+    return;
+  }
+  TORCH_CHECK(tactic > kMoeDecodeTactic || decode_fits_a, op, ": the decode kernel quantizes the intermediate with "
+              "a dynamic scale for up to ", sm90::kMoeDecodeMaxAmaxElements, " elements, got ", intermediate.numel());
+  if (quantize_a) {
+    auto a = at::empty(intermediate.sizes(), intermediate.options().dtype(at::kFloat8_e4m3fn));
+    auto scale = at::empty({1}, intermediate.options().dtype(at::kFloat));
+    quantize_into(intermediate, a_scale, a, scale, op);
+    run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, a, w2, expert_offsets, out, op, enable_pdl,
+                          /*zero_tail=*/false, tactic, workspace, gemm_scales(scale, w2_scale, w2_scale_contiguous));
     return;
   }
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, intermediate, w2, expert_offsets, out, op, enable_pdl,

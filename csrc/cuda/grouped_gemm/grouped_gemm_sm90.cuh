@@ -177,7 +177,7 @@ __device__ void write_group_arguments(const GroupedGemmParams& p, const GroupArr
   const int m = static_cast<int>(rows);
   const int n = static_cast<int>(p.n);
   const int k = static_cast<int>(p.k);
-  // The group's CUTLASS problem D (M x N) = A (M x K) * B (K x N), per kind (the table above); the
+  // The group's CUTLASS problem D (M x N) = A (M x K) * B (K x N), set per kind below; the
   // strides follow from it: A {M, K}, B {N, K}, D {M, N}.
   int gm = 0, gn = 0, gk = 0;
   const ElementIn *ga = nullptr, *gb = nullptr;

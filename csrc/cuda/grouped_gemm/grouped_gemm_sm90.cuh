@@ -177,48 +177,35 @@ __device__ void write_group_arguments(const GroupedGemmParams& p, const GroupArr
   const int m = static_cast<int>(rows);
   const int n = static_cast<int>(p.n);
   const int k = static_cast<int>(p.k);
+  // The group's CUTLASS problem D (M x N) = A (M x K) * B (K x N), set per kind below; the
+  // strides follow from it: A {M, K}, B {N, K}, D {M, N}.
+  int gm = 0, gn = 0, gk = 0;
+  const ElementIn *ga = nullptr, *gb = nullptr;
+  ElementOut* gd = nullptr;
   if constexpr (Config::kind == Kind::kFwdSwapAB) {
-    arr.shapes[e] = {n, m, k};
-    arr.ptr_a[e] = b + e * p.n * p.k;
-    arr.ptr_b[e] = a + start * p.k;
-    arr.ptr_d[e] = d + start * p.n;
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {n, k, 1});
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {m, k, 1});
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, m, 1});
+    gm = n, gn = m, gk = k;
+    ga = b + e * p.n * p.k, gb = a + start * p.k, gd = d + start * p.n;
   } else if constexpr (Config::kind == Kind::kDgradSwapAB) {
-    arr.shapes[e] = {k, m, n};
-    arr.ptr_a[e] = b + e * p.n * p.k;
-    arr.ptr_b[e] = a + start * p.n;
-    arr.ptr_d[e] = d + start * p.k;
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {k, n, 1});
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {m, n, 1});
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {k, m, 1});
+    gm = k, gn = m, gk = n;
+    ga = b + e * p.n * p.k, gb = a + start * p.n, gd = d + start * p.k;
   } else if constexpr (kKind == Kind::kFwd) {
-    arr.shapes[e] = {m, n, k};
-    arr.ptr_a[e] = a + start * p.k;
-    arr.ptr_b[e] = b + e * p.n * p.k;
-    arr.ptr_d[e] = d + start * p.n;
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {m, k, 1});
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {n, k, 1});
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {m, n, 1});
+    gm = m, gn = n, gk = k;
+    ga = a + start * p.k, gb = b + e * p.n * p.k, gd = d + start * p.n;
   } else if constexpr (kKind == Kind::kDgrad) {
-    arr.shapes[e] = {m, k, n};
-    arr.ptr_a[e] = a + start * p.n;
-    arr.ptr_b[e] = b + e * p.n * p.k;
-    arr.ptr_d[e] = d + start * p.k;
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {m, n, 1});
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, n, 1});
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {m, k, 1});
+    gm = m, gn = k, gk = n;
+    ga = a + start * p.n, gb = b + e * p.n * p.k, gd = d + start * p.k;
   } else {
-    // An empty group reduces over nothing: it gets no tiles (M = 0) and is zeroed instead.
-    arr.shapes[e] = {m > 0 ? n : 0, k, m};
-    arr.ptr_a[e] = a + start * p.n;
-    arr.ptr_b[e] = b + start * p.k;
-    arr.ptr_d[e] = d + e * p.n * p.k;
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {n, m, 1});
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {k, m, 1});
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {n, k, 1});
+    gm = n, gn = k, gk = m;
+    ga = a + start * p.n, gb = b + start * p.k, gd = d + e * p.n * p.k;
   }
+  // wgrad: an empty group reduces over nothing: it gets no tiles (M = 0) and is zeroed instead.
+  arr.shapes[e] = {kKind == Kind::kWgrad && m == 0 ? 0 : gm, gn, gk};
+  arr.ptr_a[e] = ga;
+  arr.ptr_b[e] = gb;
+  arr.ptr_d[e] = gd;
+  arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {gm, gk, 1});
+  arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {gn, gk, 1});
+  arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {gm, gn, 1});
   if constexpr (Config::kScaled) {
     arr.alpha[e] = (p.a_scale ? *p.a_scale : 1.0f) * (p.b_scale ? p.b_scale[e] : 1.0f);
   }

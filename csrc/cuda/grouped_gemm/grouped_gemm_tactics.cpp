@@ -173,7 +173,7 @@ const std::vector<Tactic>& tactics_sm90(TacticFamily family) {
 }
 
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
-  const int forced = g_override[static_cast<int>(family)].load(std::memory_order_relaxed);
+  const int forced = tactic_override_sm90(family);
   if (forced >= 0) return forced;
   {
     std::lock_guard<std::mutex> lock(g_tuned_mutex);

@@ -630,9 +630,7 @@ void launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
   if (p.persistent) return launch_persistent<T, kSwiGLU>(p, stream, pdl);
   const int64_t slots = std::min<int64_t>(p.num_experts, p.rows);
   const dim3 grid(p.n / kTileM, static_cast<unsigned>(slots + (kSwiGLU ? 1 : 0)));
-  // Over 48 KB of dynamic shared memory needs the opt-in (per device: set at every launch).
-  C10_CUDA_CHECK(cudaFuncSetAttribute(moe_decode_gemm_kernel<T, kSwiGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kSmemBytes));
+  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_gemm_kernel<T, kSwiGLU>), kSmemBytes);
   launch_kernel(moe_decode_gemm_kernel<T, kSwiGLU>, grid, dim3(kThreads), kSmemBytes, stream, pdl, p);
 }
 

@@ -698,20 +698,15 @@ int64_t moe_sort_blocks(int64_t routes, int64_t num_local_experts) {
 
 namespace {
 
-// The sort kernels' shared memory may exceed the default 48 KB; set once per process.
+// The sort kernels' shared memory may exceed the default 48 KB.
 void configure_sort_kernels() {
-  static const bool configured = [] {
-    for (const void* kernel :
-         {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel, (const void*)moe_sort_scan_kernel,
-          (const void*)moe_sort_place_kernel, (const void*)moe_route_and_sort_one_block_kernel<float>,
-          (const void*)moe_route_and_sort_one_block_kernel<__nv_bfloat16>,
-          (const void*)moe_route_and_sort_one_block_kernel<__half>}) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(kSortSmemBudget + 1024)));
-    }
-    return true;
-  }();
-  (void)configured;
+  for (const void* kernel :
+       {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel, (const void*)moe_sort_scan_kernel,
+        (const void*)moe_sort_place_kernel, (const void*)moe_route_and_sort_one_block_kernel<float>,
+        (const void*)moe_route_and_sort_one_block_kernel<__nv_bfloat16>,
+        (const void*)moe_route_and_sort_one_block_kernel<__half>}) {
+    allow_dynamic_smem(kernel, static_cast<int>(kSortSmemBudget + 1024));
+  }
 }
 
 void check_sort_experts(const MoeSortArgs& a) {

@@ -619,8 +619,7 @@ void launch_persistent(const DecodeParams& p, cudaStream_t stream, bool pdl) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t items = std::min<int64_t>(p.num_experts, p.rows) * (p.n / kTileM);
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(items, 2 * int64_t(sms)));  // 2 fit per SM
-  C10_CUDA_CHECK(cudaFuncSetAttribute(moe_decode_gemm_persistent_kernel<T, kSwiGLU>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_gemm_persistent_kernel<T, kSwiGLU>), kSmemBytes);
   launch_kernel(moe_decode_gemm_persistent_kernel<T, kSwiGLU>, dim3(static_cast<unsigned>(ctas)), dim3(kThreads),
                 kSmemBytes, stream, pdl, p);
 }

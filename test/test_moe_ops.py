@@ -192,11 +192,13 @@ def test_decode_kernel_quantizes_bf16_x(case, static_scale, tactic):
     cuda = [v.cuda() for v in (x, w1, p2e, offsets)]
     got = torch.ops.cake.moe_gemm1_swiglu(*cuda, k, True, None, tactic,
                                           x_scale.cuda() if static_scale else None, w1_scale.cuda())
-    torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
     # The same quantized operand as the e4m3 path through the same kernel: bitwise.
     same = torch.ops.cake.moe_gemm1_swiglu(x_q.cuda(), w1.cuda(), p2e.cuda(), offsets.cuda(), k, True, None, tactic,
                                            x_q_scale.cuda(), w1_scale.cuda())
     assert torch.equal(got, same)
+    # QGMMA accumulates with less than float32's precision, so the error grows with the output (the
+    # amplitude 12 makes h ~144x that of test_decode_kernel_matches_cpu): atol relative to its size.
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=3e-3 * want.abs().max().item())
 
 
 @cuda_only

@@ -23,13 +23,12 @@ TACTIC_FAMILY = {"bf16": "fwd", "fp8": "fwd_e4m3"}
 
 def sweep(timer, label, tactics, make, flops, top):
     """Time `make(tactic)` for -1, -2 and every grouped GEMM tactic; print the fastest `top`."""
-    fns = {"automatic": (make(-1), None), "decode kernel": (make(-2), None),
-           "decode persistent": (make(-3), None)}
+    fns = {"automatic": (make(-1), None), "decode kernel": (make(-2), None)}
     fns.update({tactic: (make(i), None) for i, tactic in enumerate(tactics)})
     times = timer.many(fns, graph=True)
     ranked = sorted((v, n) for n, v in times.items() if not isinstance(v, str))
     print(f"{label}: automatic {times['automatic'] * 1e3:8.1f} us, decode kernel "
-          f"{times['decode kernel'] * 1e3:8.1f} us, persistent {times['decode persistent'] * 1e3:8.1f} us; best:")
+          f"{times['decode kernel'] * 1e3:8.1f} us; best:")
     for ms, tactic in ranked[:top]:
         print(f"    {ms * 1e3:8.1f} us {flops / ms / 1e9:7.1f} TFLOP/s  {tactic}")
 

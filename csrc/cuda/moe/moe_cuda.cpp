@@ -161,15 +161,14 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 // (one CTA per 64 weight rows of each possible expert) covers the SMs -- one CTA streams ~1/3 of
 // an SM's share -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner).
 constexpr int64_t kMoeDecodeTactic = -2;
-constexpr int64_t kMoeDecodePersistentTactic = -3;  // WIP: the persistent variant, forced only
 constexpr int64_t kMoeDecodeMaxRows = 16;
 
 bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes, int64_t num_experts,
                        TacticFamily family, const char* op) {
-  TORCH_CHECK(tactic >= kMoeDecodePersistentTactic, op, ": tactic must be -3 (the persistent decode kernel), -2 (the "
-              "decode kernel), -1 (automatic) or a grouped GEMM tactic >= 0, got ", tactic);
+  TORCH_CHECK(tactic >= kMoeDecodeTactic, op, ": tactic must be -2 (the decode kernel), -1 (automatic) or a grouped "
+              "GEMM tactic >= 0, got ", tactic);
   const bool fits = sm90::moe_decode_gemm_fits(n, k_bytes, num_experts);
-  if (tactic <= kMoeDecodeTactic) {
+  if (tactic == kMoeDecodeTactic) {
     TORCH_CHECK(fits, op, ": tactic ", tactic, " (the decode kernel) needs N % 64 == 0 and K * element_size % ",
                 sm90::kMoeDecodeStepBytes, " == 0, got N=", n, " and ", k_bytes, " bytes of K");
     return true;
@@ -247,7 +246,6 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
     a.w_scale = w1_scale ? w1_scale_contiguous.data_ptr<float>() : nullptr;
     a.limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
     a.out = out.data_ptr();
-    a.persistent = tactic == kMoeDecodePersistentTactic;
     sm90::moe_decode_gemm(a, decode_element(w1), /*swiglu=*/true, stream, enable_pdl);
     return;
   }
@@ -352,7 +350,6 @@ void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::
     a.a_elements = a_in.numel();
     a.w_scale = w2_scale ? w2_scale_contiguous.data_ptr<float>() : nullptr;
     a.out = out.data_ptr();
-    a.persistent = tactic == kMoeDecodePersistentTactic;
     sm90::moe_decode_gemm(a, decode_element(w2), /*swiglu=*/false,
                           at::cuda::getCurrentCUDAStream(intermediate.get_device()), enable_pdl);
     return;

@@ -2,14 +2,14 @@
 // The grouped GEMM (TMA descriptors per group, a smem pipeline sized for large tiles) pays ~11 us
 // of fixed cost per launch there (benchmarks/NOTES.md, "The decode cost model"). Here one
 // warpgroup per 64 weight rows of one expert streams the weights into wgmma's register A operand
-// (16-byte cp.async pieces, kStages steps of 16 KB in flight, each thread reading back its own:
+// (a cp.async ring, kStages steps of 16 KB in flight, each warp copying whole lines of its rows:
 // registers alone held too few bytes in flight, ~3 TB/s), and the expert's token rows
 // (B, up to 32 per pass) wait in shared memory; GEMM1 gathers x rows itself and applies the
 // SwiGLU(Step) in its epilogue, so one launch replaces gather + grouped GEMM + SwiGLU.
 //
 // The 16-byte weight piece of a thread is not the k order wgmma's A fragment wants: the kernel
 // permutes K instead (a dot product does not care), by storing B's K in the matching order. Per
-// 64-byte block of K, thread t of a row group loads bytes [16t, 16t + 16); its word j (4 bytes)
+// 64-byte block of K, thread t of a row group holds bytes [16t, 16t + 16); its word j (4 bytes)
 // is the A fragment's k-chunk j (of 4 chunks of 16 bytes) at byte 4t. B's physical segment q
 // (16 bytes) therefore goes word by word to smem k-chunk j, byte 4q.
 #include <cuda_bf16.h>
@@ -42,9 +42,13 @@ constexpr int kTilePitch = kRowsPerPass + 1; // the epilogue's fp32 tile [64][32
 constexpr int kRingBytes = kStages * kStageBytes;
 constexpr int kSmemBytes = kRingBytes + kBBytes + kTileM * kTilePitch * 4;  // 2 CTAs per SM
 static_assert(kMoeDecodeStepBytes == 64 * kUnroll, "moe_decode_gemm_fits checks K by this step");
+constexpr int kStepRowBytes = 64 * kUnroll;           // one weight row's bytes per step
+constexpr int kPiecesPerRow = kStepRowBytes / 16;     // its 16-byte pieces
+constexpr int kRowsPerCopy = 32 / kPiecesPerRow;      // rows one warp-wide cp.async covers
+constexpr int kWarpStageBytes = 16 * kStepRowBytes;   // a warp's 16 weight rows of one step
+static_assert(kPiecesPerRow % 8 == 0 && kPiecesPerRow <= 32, "piece_offset's swizzle and the copies' lanes");
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 template <class T>
 struct DecodeMma;
@@ -124,7 +128,6 @@ struct DecodeParams {
   const float* w_scale = nullptr;
   const float* limits = nullptr;                // SwiGLUStep's per-expert limit
   void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
-  bool persistent = false;                      // the persistent variant (tactic -3)
 };
 
 // One pipeline step's weights: kUnroll 64-byte blocks of the thread's two rows (g and g + 8).
@@ -132,32 +135,42 @@ struct StepRegs {
   uint4 v[kUnroll][2];
 };
 
-// The weights reach shared memory by cp.async, kStages steps ahead: each thread copies its own
-// 16-byte pieces and later reads back only those (no barrier), laid out [u][row][thread] so that
-// both the copies and the 16-byte reads of a warp are conflict-free.
-__device__ __forceinline__ void copy_step(uint32_t ring, const uint8_t* row0, const uint8_t* row1, int step,
+// The weights reach shared memory by cp.async, kStages steps ahead. Each warp copies its own 16
+// rows, whole 128-byte lines per instruction (kRowsPerCopy rows x kStepRowBytes contiguous: the
+// DRAM and L2 see full lines, not the half lines of a thread-per-fragment copy), and each lane
+// then reads back the 16-byte pieces of its A fragment (rows g and g + 8, pieces 4u + t) after a
+// warp barrier. Piece c of the warp's row r sits at slot c ^ 4 (r & 1): the 8 lanes of a 16-byte
+// access phase hit 8 different bank groups, in the copies (one row's consecutive pieces) and in
+// the reads (rows g and g + 1, pieces 4u + t).
+__device__ __forceinline__ int piece_offset(int r, int c) { return r * kStepRowBytes + ((c ^ (4 * (r & 1))) * 16); }
+
+// warp_rows: the warp's first weight row at K = 0; row_bytes: the distance between rows.
+__device__ __forceinline__ void copy_step(uint32_t ring, const uint8_t* warp_rows, int row_bytes, int step,
                                           int steps) {
   if (step < steps) {
-    const uint32_t slot = ring + (step % kStages) * kStageBytes + threadIdx.x * 16;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t slot = ring + (step % kStages) * kStageBytes + warp * kWarpStageBytes;
+    const int c = lane % kPiecesPerRow;
+    const uint8_t* src = warp_rows + int64_t(lane / kPiecesPerRow) * row_bytes + step * kStepRowBytes + c * 16;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int off = (step * kUnroll + u) * 64;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u) * kThreads * 16), "l"(row0 + off)
-                   : "memory");
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u + 1) * kThreads * 16),
-                   "l"(row1 + off)
+    for (int i = 0; i < 16 / kRowsPerCopy; ++i) {
+      const int r = i * kRowsPerCopy + lane / kPiecesPerRow;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + piece_offset(r, c)),
+                   "l"(src + int64_t(i * kRowsPerCopy) * row_bytes)
                    : "memory");
     }
   }
   asm volatile("cp.async.commit_group;" ::: "memory");  // empty groups keep the count uniform
 }
 
+// After this thread's copies of the step landed and a warp barrier (the other lanes' too).
 __device__ __forceinline__ void read_step(StepRegs& r, const uint8_t* ring, int step) {
-  const uint8_t* slot = ring + (step % kStages) * kStageBytes + threadIdx.x * 16;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const uint8_t* slot = ring + (step % kStages) * kStageBytes + warp * kWarpStageBytes;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    r.v[u][0] = *reinterpret_cast<const uint4*>(slot + (2 * u) * kThreads * 16);
-    r.v[u][1] = *reinterpret_cast<const uint4*>(slot + (2 * u + 1) * kThreads * 16);
+    r.v[u][0] = *reinterpret_cast<const uint4*>(slot + piece_offset(g, 4 * u + t));
+    r.v[u][1] = *reinterpret_cast<const uint4*>(slot + piece_offset(g + 8, 4 * u + t));
   }
 }
 
@@ -372,7 +385,7 @@ __device__ __forceinline__ void mma_step_fenced(StepRegs& regs, uint64_t desc0, 
 // One pass over the expert's weights for s.rows <= 8 * kBlocks token rows: the sums land in
 // tile[weight row][token] (fp32).
 template <class T, bool kSwiGLU, int kBlocks>
-__device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* row0, const uint8_t* row1,
+__device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* warp_rows,
                              float a_scale, uint8_t* ring, uint8_t* b, float* tile) {
   const int steps = p.k_bytes / (64 * kUnroll);
   const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
@@ -382,11 +395,13 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
 
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, row0, row1, i, steps);
+  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, warp_rows, p.k_bytes, i, steps);
   StepRegs regs;
   for (int step = 0; step < steps; ++step) {
-    copy_step(ring_addr, row0, row1, step + kStages - 1, steps);
+    __syncwarp();  // every lane has read the slot this copy refills (step - 1's)
+    copy_step(ring_addr, warp_rows, p.k_bytes, step + kStages - 1, steps);
     asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // this step's copies landed
+    __syncwarp();  // ... those of every lane of the warp
     read_step(regs, ring, step);
     const int local = step % s.chunk_steps;
     if (local == 0) {
@@ -436,197 +451,23 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodePara
       }
     }
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const uint8_t* row0 = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * warp + g) * p.k_bytes + 16 * t;
-  const uint8_t* row1 = row0 + 8 * int64_t(p.k_bytes);
+  const uint8_t* warp_rows = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * (threadIdx.x / 32)) * p.k_bytes;
   const float a_scale = a_scale_of(p);
   const float alpha = a_scale * (p.w_scale ? p.w_scale[e] : 1.0f);
 
   for (int64_t first = row_begin; first < row_end; first += kRowsPerPass) {
     const Pass s = make_pass(p, first, row_end);
     if (s.blocks == 1) {
-      pass_product<T, kSwiGLU, 1>(p, s, row0, row1, a_scale, ring, b, tile);
+      pass_product<T, kSwiGLU, 1>(p, s, warp_rows, a_scale, ring, b, tile);
     } else {
-      pass_product<T, kSwiGLU, kNBlocks>(p, s, row0, row1, a_scale, ring, b, tile);
+      pass_product<T, kSwiGLU, kNBlocks>(p, s, warp_rows, a_scale, ring, b, tile);
     }
     write_pass<T, kSwiGLU>(p, s, e, m_tile, alpha, tile);
   }
 }
 
-// ---- persistent variant (tactic -3) -------------------------------------------------------------
-// Two CTAs per SM, each walking a contiguous range of items (expert with rows, 64-row weight
-// tile); the cp.async ring runs on across pass and item boundaries, so the next item's first
-// weights are in flight while an item finishes: no per-CTA start-up (expert lookup, B staging)
-// between items with the bus idle, and no tail of a partial last wave.
-
-__device__ int count_experts_with_rows(const int32_t* offsets, int num_experts) {
-  const int lane = threadIdx.x % 32;
-  int count = 0;
-  for (int base = 0; base < num_experts; base += 32) {
-    const int e = base + lane;
-    count += __popc(__ballot_sync(0xffffffffu, e < num_experts && offsets[e + 1] > offsets[e]));
-  }
-  return count;
-}
-
-// Where a thread's copies (or its reads) stand: the item, its pass and step, the item's expert
-// rows and the thread's two weight rows. Every thread of the CTA holds the same item state.
-struct Cursor {
-  int item = 0, item_end = 0;
-  int e = -1;  // the item's expert (items m_tiles apart share one)
-  int64_t row_begin = 0, row_end = 0;
-  int pass = 0, passes = 0, step = 0;
-  const uint8_t* row0 = nullptr;
-  const uint8_t* row1 = nullptr;
-  __device__ bool valid() const { return item < item_end; }
-};
-
-// Cursor c at the start of item c.item, or of the next one with rows (offsets past `rows`, bad
-// input, can leave an expert none); items count only the experts with rows.
-__device__ void start_item(Cursor& c, const DecodeParams& p, int m_tiles, int64_t kept) {
-  for (; c.valid(); ++c.item, c.e = -1) {
-    const int slot = c.item / m_tiles, m_tile = c.item % m_tiles;
-    if (m_tile == 0 || c.e < 0) {
-      c.e = nth_expert_with_rows(p.offsets, p.num_experts, slot);
-      c.row_begin = p.offsets[c.e];
-      c.row_end = min64(p.offsets[c.e + 1], kept);
-    }
-    c.passes = static_cast<int>(max64(0, c.row_end - c.row_begin + kRowsPerPass - 1) / kRowsPerPass);
-    if (c.passes == 0) continue;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    c.row0 = p.w + (int64_t(c.e) * p.n + m_tile * kTileM + 16 * warp + lane / 4) * p.k_bytes + 16 * (lane % 4);
-    c.row1 = c.row0 + 8 * int64_t(p.k_bytes);
-    c.pass = 0;
-    c.step = 0;
-    return;
-  }
-}
-
-__device__ __forceinline__ void advance(Cursor& c, const DecodeParams& p, int m_tiles, int64_t kept, int steps) {
-  if (++c.step < steps) return;
-  c.step = 0;
-  if (++c.pass < c.passes) return;
-  ++c.item;
-  start_item(c, p, m_tiles, kept);
-}
-
-__device__ __forceinline__ void copy_weights(uint32_t ring, int ring_step, const Cursor& c) {
-  const uint32_t slot = ring + (ring_step % kStages) * kStageBytes + threadIdx.x * 16;
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int off = (c.step * kUnroll + u) * 64;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u) * kThreads * 16), "l"(c.row0 + off)
-                 : "memory");
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(slot + (2 * u + 1) * kThreads * 16),
-                 "l"(c.row1 + off)
-                 : "memory");
-  }
-}
-
-template <class T, bool kSwiGLU>
-__global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_persistent_kernel(DecodeParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* ring = smem;
-  uint8_t* b = smem + kRingBytes;
-  float* tile = reinterpret_cast<float*>(b + kBBytes);
-  pdl_wait();
-  pdl_launch_dependents();
-  const int64_t kept = min64(p.offsets[p.num_experts], p.rows);
-  const int m_tiles = p.n / kTileM;
-  const int64_t cta_threads = int64_t(gridDim.x) * kThreads, first_thread = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if constexpr (kSwiGLU) {
-    // Rows that belong to no expert are zeros (the op's contract); the gather's indices are
-    // checked before any wgmma (a call, such as an assert's, would serialize them: C7510).
-    const int64_t row_words = p.n / 4;  // (n / 2) 16-bit values
-    for (int64_t i = first_thread; i < (p.rows - kept) * row_words; i += cta_threads) {
-      reinterpret_cast<uint32_t*>(p.out)[kept * row_words + i] = 0;
-    }
-    for (int64_t row = first_thread; row < kept; row += cta_threads) {
-      const int32_t expanded = p.permuted_to_expanded[row];
-      if (expanded < 0 || expanded >= p.a_rows) __trap();
-    }
-  }
-  const int64_t items = int64_t(count_experts_with_rows(p.offsets, p.num_experts)) * m_tiles;
-  Cursor prod;
-  prod.item = static_cast<int>(items * blockIdx.x / gridDim.x);
-  prod.item_end = static_cast<int>(items * (blockIdx.x + 1) / gridDim.x);
-  start_item(prod, p, m_tiles, kept);
-  Cursor cons = prod;
-  const int steps = p.k_bytes / (64 * kUnroll);
-  const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  const uint32_t b_addr = static_cast<uint32_t>(__cvta_generic_to_shared(b));
-#pragma unroll 1
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (prod.valid()) {
-      copy_weights(ring_addr, i, prod);
-      advance(prod, p, m_tiles, kept, steps);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");  // empty groups keep the count uniform
-  }
-
-  // One accumulator set per N variant (one shared set made ptxas inject wgmma fences, C7519).
-  float acc1[1][4], acc4[kNBlocks][4];
-  Pass s = {};
-  uint64_t desc0 = 0;
-  float alpha = 1.0f;
-  const float a_scale = a_scale_of(p);
-#pragma unroll 1
-  for (int step = 0; cons.valid(); ++step) {
-    if (prod.valid()) {
-      copy_weights(ring_addr, step + kStages - 1, prod);
-      advance(prod, p, m_tiles, kept, steps);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // this step's copies landed
-    StepRegs regs;
-    read_step(regs, ring, step);
-    if (cons.step == 0) {  // a pass starts
-      s = make_pass(p, cons.row_begin + int64_t(cons.pass) * kRowsPerPass, cons.row_end);
-      desc0 = b_descriptor(b_addr, s.sbo);
-      alpha = a_scale * (p.w_scale ? p.w_scale[cons.e] : 1.0f);
-      zero(acc1);
-      zero(acc4);
-    }
-    const int local = cons.step % s.chunk_steps;
-    if (local == 0) {
-      __syncthreads();  // the previous chunk's (or pass's) wgmmas and epilogue are done with B and the tile
-      stage_b<kSwiGLU>(p, s, cons.step / s.chunk_steps, a_scale, b);
-      __syncthreads();
-    }
-    if (s.blocks == 1) {
-      mma_step_fenced<T, 1>(regs, desc0, s.sbo >> 4, local, acc1);
-    } else {
-      mma_step_fenced<T, kNBlocks>(regs, desc0, s.sbo >> 4, local, acc4);
-    }
-    if (cons.step == steps - 1) {  // the pass ends
-      if (s.blocks == 1) {
-        accumulators_to_tile<1>(acc1, tile);
-      } else {
-        accumulators_to_tile<kNBlocks>(acc4, tile);
-      }
-      __syncthreads();
-      write_pass<T, kSwiGLU>(p, s, cons.e, cons.item % m_tiles, alpha, tile);
-    }
-    advance(cons, p, m_tiles, kept, steps);
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
-}
-
-template <class T, bool kSwiGLU>
-void launch_persistent(const DecodeParams& p, cudaStream_t stream, bool pdl) {
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t items = std::min<int64_t>(p.num_experts, p.rows) * (p.n / kTileM);
-  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(items, 2 * int64_t(sms)));  // 2 fit per SM
-  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_gemm_persistent_kernel<T, kSwiGLU>), kSmemBytes);
-  launch_kernel(moe_decode_gemm_persistent_kernel<T, kSwiGLU>, dim3(static_cast<unsigned>(ctas)), dim3(kThreads),
-                kSmemBytes, stream, pdl, p);
-}
-
 template <class T, bool kSwiGLU>
 void launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
-  if (p.persistent) return launch_persistent<T, kSwiGLU>(p, stream, pdl);
   const int64_t slots = std::min<int64_t>(p.num_experts, p.rows);
   const dim3 grid(p.n / kTileM, static_cast<unsigned>(slots + (kSwiGLU ? 1 : 0)));
   allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_gemm_kernel<T, kSwiGLU>), kSmemBytes);
@@ -658,7 +499,6 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
   p.w_scale = a.w_scale;
   p.limits = a.limits;
   p.out = a.out;
-  p.persistent = a.persistent;
   p.quantize_a = a.quantize_a;
   p.a_elements = a.a_elements;
   switch (element) {

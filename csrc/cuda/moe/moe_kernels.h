@@ -103,7 +103,6 @@ struct MoeDecodeGemmArgs {
   const float* w_scale = nullptr;  // fp8, [E]
   const float* limits = nullptr;   // GEMM1's SwiGLUStep, [E]
   void* out = nullptr;
-  bool persistent = false;  // WIP: the persistent variant (two CTAs per SM walk the items)
 };
 // The shapes the decode kernel takes: n % 64 == 0 and K bytes % kMoeDecodeStepBytes == 0.
 bool moe_decode_gemm_fits(int64_t n, int64_t k_bytes, int64_t num_experts);

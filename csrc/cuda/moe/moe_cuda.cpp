@@ -155,13 +155,13 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 }
 
 // The MoE GEMMs' decode kernel (moe_decode_sm90.cu) streams each expert's weights once for a few
-// token rows with less fixed cost than the grouped GEMM, but streams slower once many experts
-// are busy (H200 sweep, benchmarks/NOTES.md: ahead at T = 1, 4-8% behind at T = 8 with top-8).
+// token rows with less fixed cost than the grouped GEMM (H200 sweeps, benchmarks/NOTES.md: level
+// at T = 1, 3-9% ahead at 64 rows, T = 8 with top-8; 30-40% behind at 512 rows, T = 64).
 // tactic -2 forces it; -1 takes it for up to kMoeDecodeMaxRows rows (T * top_k) when its grid
 // (one CTA per 64 weight rows of each possible expert) covers the SMs -- one CTA streams ~1/3 of
 // an SM's share -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner).
 constexpr int64_t kMoeDecodeTactic = -2;
-constexpr int64_t kMoeDecodeMaxRows = 16;
+constexpr int64_t kMoeDecodeMaxRows = 64;
 
 bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes, int64_t num_experts,
                        TacticFamily family, const char* op) {

@@ -23,8 +23,9 @@ not run raises ``NotImplementedError`` naming it.
 fp8: e4m3 weights with one float32 scale per expert (``w1_scale``, ``w2_scale``) and activations
 quantized per tensor, ``q = e4m3(clamp(x / s, -448, 448))``, on Hopper's fp8 tensor cores (QGMMA).
 Each GEMM scales expert e's product by ``s * w_scale[e]`` in its epilogue, before the clamp (the
-limit is in physical units) and rounds it to bf16. fc1 quantizes bf16 hidden states as it gathers
-their rows (no separate pass); requant quantizes fc1's bf16 output for fc2.
+limit is in physical units) and rounds it to bf16. fc1 quantizes bf16 hidden states first, or at
+decode sizes as GEMM1 stages their rows (one launch fewer); requant quantizes fc1's bf16 output
+for fc2, or at decode sizes fc2 does as it stages it.
 The activation scales are static when the view carries them (``fc1_input_scale``,
 ``fc2_input_scale``, e.g. from calibration) and otherwise dynamic, ``max(|x|) / 448`` computed on
 the device per call. fc1 also takes hidden states already in e4m3 with their scale.
@@ -315,10 +316,25 @@ def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOut
     warn_experimental(_FEATURE)
     weights = _check_weights("fc1", weights)
     _check_hidden_states("fc1", hidden_states, weights, hidden_states_scale)
-    x_scale = _fc1_input_scale(hidden_states, weights, hidden_states_scale)
-    return torch.ops.cake.moe_gemm1_swiglu(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
+    x, x_scale = hidden_states, _fc1_input_scale(hidden_states, weights, hidden_states_scale)
+    if _fc1_quantizes_first(hidden_states, weights):
+        x, x_scale = torch.ops.cake.quantize_fp8(hidden_states, weights.fc1_input_scale)
+    return torch.ops.cake.moe_gemm1_swiglu(x, weights.w1, routed.permuted_idx_to_expanded_idx,
                                            routed.expert_offsets, routed.top_k, enable_pdl,
                                            weights.gemm1_clamp_limit, -1, x_scale, weights.w1_scale)
+
+
+# GEMM1 quantizing bf16 hidden states itself pays at decode only: the decode kernel takes their
+# amax in every CTA before streaming (H200, H=4096: T=8 fp8 GEMM1 182 us against 122 us for the e4m3
+# GEMM1 after a quantize launch), and the grouped GEMM's quantizing gather was 1-3% slower than
+# quantize + GEMM1 at T >= 512 (benchmarks/NOTES.md).
+_FC1_QUANTIZES_MAX_ELEMENTS = 1 << 13
+
+
+def _fc1_quantizes_first(hidden_states: torch.Tensor, weights: StepFunWeights) -> bool:
+    """fp8 with bf16 hidden states too many for GEMM1 to quantize them as it stages them."""
+    return (weights.family == "fp8" and hidden_states.dtype != torch.float8_e4m3fn
+            and hidden_states.numel() > _FC1_QUANTIZES_MAX_ELEMENTS)
 
 
 def _fc1_input_scale(hidden_states: torch.Tensor, weights: StepFunWeights, hidden_states_scale):
@@ -475,12 +491,16 @@ def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: Ro
                 enable_pdl: bool = True, hidden_states_scale: Optional[torch.Tensor] = None) -> StepFunStageLaunch:
     """fc1 into ``out [T * top_k, I]`` (bf16) with a uint8 ``workspace`` of
     ``_C.moe_gemm1_workspace_size(T * top_k, H, I, E_local, element_size)`` bytes (element_size of
-    the weights: 1 for fp8, whose GEMM1 quantizes bf16 hidden states on the way in)."""
+    the weights: 1 for fp8, whose GEMM1 gathers e4m3 rows, quantized by it at decode sizes or
+    first into a bound e4m3 copy)."""
     warn_experimental(_FEATURE)
     weights = _check_weights("prepare_fc1", weights)
     _check_hidden_states("prepare_fc1", hidden_states, weights, hidden_states_scale)
     rows = routed.expert_ids.numel()
-    x_scale = _fc1_input_scale(hidden_states, weights, hidden_states_scale)
+    x = QuantizedActivations(hidden_states, _fc1_input_scale(hidden_states, weights, hidden_states_scale))
+    quantize_first = _fc1_quantizes_first(hidden_states, weights)
+    if quantize_first:
+        x = _empty_fp8(hidden_states, *hidden_states.shape)
     out = out if out is not None else hidden_states.new_empty((rows, weights.intermediate), dtype=torch.bfloat16)
     if workspace is None:
         workspace = _bytes(_C.moe_gemm1_workspace_size(rows, weights.hidden, weights.intermediate,
@@ -488,9 +508,11 @@ def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: Ro
                            hidden_states.device)
 
     def run():
-        torch.ops.cake.moe_gemm1_swiglu_out(hidden_states, weights.w1, routed.permuted_idx_to_expanded_idx,
+        if quantize_first:
+            torch.ops.cake.quantize_fp8_out(hidden_states, weights.fc1_input_scale, x.values, x.scale)
+        torch.ops.cake.moe_gemm1_swiglu_out(x.values, weights.w1, routed.permuted_idx_to_expanded_idx,
                                             routed.expert_offsets, routed.top_k, out, workspace, enable_pdl,
-                                            weights.gemm1_clamp_limit, -1, x_scale, weights.w1_scale)
+                                            weights.gemm1_clamp_limit, -1, x.scale, weights.w1_scale)
     return _bound("fc1", run, [out])
 
 

@@ -61,7 +61,7 @@ TORCH_LIBRARY(cake, m) {
   // expert's end are zeros. enable_pdl: launch the CUDA kernels with Programmatic Dependent
   // Launch (numerics unaffected). clamp_limits (float32 [E_local]) makes the activation StepFun's
   // SwiGLUStep, min(silu(gate), L_e) * clamp(up, -L_e, L_e) with L_e the row's expert's limit.
-  // tactic (both MoE GEMMs): -1 = automatic (the decode kernel for up to 64 rows where its grid
+  // tactic (both MoE GEMMs): -1 = automatic (the decode kernel for up to 64 rows, or 2 per expert, where its grid
   // covers the SMs, else the grouped GEMM's own choice, tuned or heuristic), -2 = the decode kernel
   // (N % 64 == 0, K bytes % 256 == 0), else that tactic of the fwd family (grouped_gemm_tactics("fwd" /
   // "fwd_f16" / "fwd_e4m3")); the CPU ignores it. fp8 (both MoE GEMMs): float8_e4m3fn activations and weights with a per-tensor

@@ -112,7 +112,7 @@ def test_cuda_stages_match_cpu_stages(case, dtype):
     assert torch.equal(into, out_cuda)
 
 
-# The decode kernel (tactic -2; chosen automatically for up to 64 rows) against the CPU ops: a hot
+# The decode kernel (tactic -2; chosen automatically for up to 64 rows or 2 per expert) against the CPU ops: a hot
 # expert (two 32-row passes), an EP shard (dropped routes: zeroed tail rows), top-1, one token;
 # hidden 2560 bf16 stages B in several K chunks.
 DECODE_CASES = {"one_token": (1, 8, 64, 64, 0), "hot_expert": (40, 2, 8, 8, 0), "ep_shard": (12, 8, 64, 16, 16),
@@ -120,9 +120,10 @@ DECODE_CASES = {"one_token": (1, 8, 64, 64, 0), "hot_expert": (40, 2, 8, 8, 0), 
 
 
 def decode_is_automatic(rows, num_experts, n):
-    """tactic -1's rule (moe_cuda.cpp): up to 64 rows, and a grid of CTAs that covers the SMs."""
+    """tactic -1's rule (moe_cuda.cpp): up to 64 rows or 2 per expert, and a grid of CTAs that
+    covers the SMs."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return rows <= 64 and min(rows, num_experts) * (n // 64) >= sms
+    return (rows <= 64 or rows <= 2 * num_experts) and min(rows, num_experts) * (n // 64) >= sms
 
 
 def quantize_per_expert(w):

@@ -156,12 +156,15 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 
 // The MoE GEMMs' decode kernel (moe_decode_sm90.cu) streams each expert's weights once for a few
 // token rows with less fixed cost than the grouped GEMM (H200 sweeps, benchmarks/NOTES.md: level
-// at T = 1, 3-9% ahead at 64 rows, T = 8 with top-8; 30-40% behind at 512 rows, T = 64).
-// tactic -2 forces it; -1 takes it for up to kMoeDecodeMaxRows rows (T * top_k) when its grid
+// at T = 1, 3-9% ahead at 64 rows, T = 8 with top-8; 30-40% behind at 512 rows, T = 64, where
+// experts hold 8 rows on average and its passes go from one wgmma N block to four).
+// tactic -2 forces it; -1 takes it for up to kMoeDecodeMaxRows rows (T * top_k), or up to
+// kMoeDecodeMaxRowsPerExpert rows per local expert on average, when its grid
 // (one CTA per 64 weight rows of each possible expert) covers the SMs -- one CTA streams ~1/3 of
 // an SM's share -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner).
 constexpr int64_t kMoeDecodeTactic = -2;
 constexpr int64_t kMoeDecodeMaxRows = 64;
+constexpr int64_t kMoeDecodeMaxRowsPerExpert = 2;
 
 bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes, int64_t num_experts,
                        TacticFamily family, const char* op) {
@@ -173,7 +176,8 @@ bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes,
                 sm90::kMoeDecodeStepBytes, " == 0, got N=", n, " and ", k_bytes, " bytes of K");
     return true;
   }
-  if (tactic != -1 || !fits || rows > kMoeDecodeMaxRows || tactic_override_sm90(family) >= 0) return false;
+  const bool few_rows = rows <= kMoeDecodeMaxRows || rows <= kMoeDecodeMaxRowsPerExpert * num_experts;
+  if (tactic != -1 || !fits || !few_rows || tactic_override_sm90(family) >= 0) return false;
   const int64_t ctas = std::min(rows, num_experts) * (n / 64);
   return ctas >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }

@@ -1,6 +1,10 @@
 """The MoE pipeline ops: cake::moe_sort, cake::moe_gemm1_swiglu, cake::moe_gemm2, cake::moe_finalize,
 and the SM90 weight interleave, against the float32 reference MoE; the CUDA kernels also against
 the CPU implementations on the same inputs."""
+import subprocess
+import sys
+import textwrap
+
 import expecttest
 import pytest
 import torch
@@ -200,6 +204,33 @@ def test_decode_kernel_quantizes_bf16_x(case, static_scale):
     # QGMMA accumulates with less than float32's precision, so the error grows with the output (the
     # amplitude 12 makes h ~144x that of test_decode_kernel_matches_cpu): atol relative to its size.
     torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=3e-3 * want.abs().max().item())
+
+
+@cuda_only
+@pytest.mark.parametrize("tactic", [0, -2], ids=["grouped_gemm", "decode"])
+def test_bad_gather_indices_on_gpu_fail_loudly(tactic):
+    """A permuted_to_expanded index out of range stops the kernel (never a silent answer): the
+    grouped GEMM path's gather asserts with the op's message; the decode kernel traps (a call such
+    as an assert's would serialize its wgmmas, ptxas C7510), an unspecified launch failure. Either
+    ends the CUDA context, so this runs in a child process."""
+    script = textwrap.dedent(f"""
+        import torch, cake_ops
+        from cake_ops.fused_moe import interleave_up_gate_sm90
+        x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+        w1 = interleave_up_gate_sm90(torch.randn(4, 128, 256, device="cuda", dtype=torch.bfloat16))
+        offsets = torch.tensor([0, 2, 2, 4, 4], dtype=torch.int32, device="cuda")
+        p2e = torch.tensor([0, 1, 9, 3], dtype=torch.int32, device="cuda")  # 9 >= 2 tokens * top_k 2
+        torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, 2, True, None, {tactic})
+        torch.cuda.synchronize()
+        print("no error")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no error" not in output, output
+    if tactic == 0:
+        assert "cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices" in output, output
+    else:
+        assert "CUDA error" in output, output
 
 
 @cuda_only

@@ -441,9 +441,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodePara
   if (e < 0) return;
   const int64_t row_begin = p.offsets[e], row_end = min64(p.offsets[e + 1], kept);
   if constexpr (kSwiGLU) {
-    // The gather's indices, checked before any wgmma. WIP trade-off: any call in the kernel (the
-    // gather kernel's __assert_fail with its message) makes ptxas serialize every wgmma (C7510);
-    // __trap() is no call but reports only "unspecified launch failure".
+    // The gather's indices, checked before any wgmma. A trap, not the gather kernel's assert with
+    // its message: any call in the kernel makes ptxas serialize every wgmma (C7510). It stops the
+    // kernel all the same ("unspecified launch failure"; test_bad_gather_indices_on_gpu_fail_loudly).
     for (int64_t row = row_begin + threadIdx.x; row < row_end; row += kThreads) {
       const int32_t expanded = p.permuted_to_expanded[row];
       if (expanded < 0 || expanded >= p.a_rows) {

@@ -216,22 +216,11 @@ __device__ __forceinline__ uint4 quantize16(const uint8_t* src, float scale) {
   return q;
 }
 
-// The dynamic scale of bfloat16 a (n elements, n % 8 == 0): this CTA's amax over all of it (the
-// bits of |a|: NaN sorts above every number), as quantize_fp8 computes it.
+// The dynamic scale of bfloat16 a (n elements): this CTA's amax over all of it, as quantize_fp8
+// computes it.
 __device__ float dynamic_scale(const uint8_t* a, int64_t n) {
   __shared__ unsigned warp_max[kThreads / 32];
-  unsigned m = 0;
-  for (int64_t i = threadIdx.x; i < n / 8; i += kThreads) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(a) + i);
-    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m = max(m, __float_as_uint(fabsf(__bfloat162float(e[j]))));
-  }
-  m = __reduce_max_sync(0xffffffffu, m);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = max(max(warp_max[0], warp_max[1]), max(warp_max[2], warp_max[3]));
-  return amax_to_scale(__uint_as_float(m));
+  return amax_to_scale(__uint_as_float(block_amax_bits(reinterpret_cast<const __nv_bfloat16*>(a), n, warp_max)));
 }
 
 // The scale a's values are divided by before the GEMM (and its product multiplied by): fp8 a's

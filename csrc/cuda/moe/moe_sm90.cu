@@ -257,6 +257,18 @@ __global__ void __launch_bounds__(kSortThreads) moe_sort_place_kernel(MoeSortArg
 // ---- gather -----------------------------------------------------------------------------------
 constexpr int kGatherRowsPerBlock = 8;  // one warp per row
 
+// The token whose x row permuted row `row` gathers; its route index checked (a device-side assert
+// naming the op: the GPU path never reads the permutation on the host).
+__device__ __forceinline__ int64_t gathered_token(const int32_t* permuted_to_expanded, int64_t row, int64_t rows,
+                                                  int top_k) {
+  const int32_t expanded = permuted_to_expanded[row];
+  if (expanded < 0 || expanded >= rows) {
+    __assert_fail("cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices in [0, num_tokens * top_k) "
+                  "for the rows below expert_offsets[E]", __FILE__, __LINE__, __func__);
+  }
+  return expanded / top_k;
+}
+
 __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
     moe_gather_kernel(const uint4* x, int64_t row_vecs, const int32_t* permuted_to_expanded, int top_k,
                       const int32_t* num_kept, int64_t rows, uint4* gathered) {
@@ -264,13 +276,7 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
   pdl_launch_dependents();
   const int64_t row = int64_t(blockIdx.x) * kGatherRowsPerBlock + threadIdx.x / 32;
   if (row >= rows || row >= *num_kept) return;
-  const int32_t expanded = permuted_to_expanded[row];
-  if (expanded < 0 || expanded >= rows) {
-    __assert_fail("cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices in [0, num_tokens * top_k) "
-                  "for the rows below expert_offsets[E]", __FILE__, __LINE__, __func__);
-  }
-  const int64_t token = expanded / top_k;
-  const uint4* __restrict__ src = x + token * row_vecs;
+  const uint4* __restrict__ src = x + gathered_token(permuted_to_expanded, row, rows, top_k) * row_vecs;
   uint4* __restrict__ dst = gathered + row * row_vecs;
   // Up to kCopyUnroll loads in flight per lane before the stores.
   constexpr int kCopyUnroll = 8;
@@ -371,10 +377,6 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
 // ---- routing (Renormalize top-k) ---------------------------------------------------------------
 constexpr int kRoutingWarps = 4;  // one warp per token
 constexpr int kRoutingPerLane = kMoeRoutingMaxExperts / 32;
-
-__device__ __forceinline__ float load_float(const float* p) { return *p; }
-__device__ __forceinline__ float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
 
 // (value, id) a beats (value, id) b: larger value, then lower id.
 __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
@@ -518,9 +520,8 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 }
 
 // ---- fp8 per-tensor quantization ----------------------------------------------------------------
-// Grid-stride passes over 16-byte vectors of x (then the last few elements one by one). The amax
-// is a max over the bits of |x|: for non-negative floats the unsigned order is the float order and
-// NaN sorts above every number, so NaN propagates. A dynamic scale over a small x (decode: the
+// Grid-stride passes over 16-byte vectors of x (then the last few elements one by one); the amax
+// over the bits of |x| (amax_bits_strided, fp8_e4m3.cuh). A dynamic scale over a small x (decode: the
 // hidden states and fc1's output of a few tokens) is one kernel of one block: amax, then quantize.
 // Larger x takes three: the amax (atomicMax), the quantization, which derives the scale from that
 // amax, and the amax's replacement by the scale.
@@ -530,25 +531,6 @@ constexpr int kQuantOneBlockThreads = 1024;
 // One block reads 64 Ki elements (128 KB of bf16) twice in ~2 us, under the ~5 us of the three
 // kernels and a memset that the grid path costs at that size.
 constexpr int64_t kQuantOneBlockMaxElements = int64_t(1) << 16;
-template <class T>
-constexpr int kQuantVec = 16 / sizeof(T);
-
-// This thread's max of |x| bits over elements first, first + stride, ...
-template <class T>
-__device__ __forceinline__ unsigned amax_bits_strided(const T* x, int64_t n, int64_t first, int64_t stride) {
-  constexpr int V = kQuantVec<T>;
-  const int64_t vecs = n / V;
-  unsigned m = 0;
-  for (int64_t i = first; i < vecs; i += stride) {
-    const uint4 v = reinterpret_cast<const uint4*>(x)[i];
-    const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int j = 0; j < V; ++j) m = max(m, __float_as_uint(fabsf(load_float(e + j))));
-  }
-  for (int64_t i = vecs * V + first; i < n; i += stride) m = max(m, __float_as_uint(fabsf(load_float(x + i))));
-  return m;
-}
-
 template <class T>
 __device__ __forceinline__ void quantize_strided(const T* x, int64_t n, float scale, __nv_fp8_storage_t* out,
                                                  int64_t first, int64_t stride) {
@@ -603,12 +585,7 @@ __global__ void __launch_bounds__(kQuantOneBlockThreads)
   __shared__ unsigned warp_max[kQuantOneBlockThreads / 32];
   pdl_wait();
   pdl_launch_dependents();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  unsigned m = __reduce_max_sync(0xffffffffu, amax_bits_strided(x, n, threadIdx.x, blockDim.x));
-  if (lane == 0) warp_max[warp] = m;
-  __syncthreads();
-  m = __reduce_max_sync(0xffffffffu, lane < int(blockDim.x >> 5) ? warp_max[lane] : 0u);
-  const float scale = amax_to_scale(__uint_as_float(m));
+  const float scale = amax_to_scale(__uint_as_float(block_amax_bits(x, n, warp_max)));
   if (threadIdx.x == 0) *scale_out = scale;
   quantize_strided(x, n, scale, out, threadIdx.x, blockDim.x);
 }
@@ -634,26 +611,18 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
   if constexpr (kScale == GatherScale::kStatic) {
     scale = *static_scale;
   } else if constexpr (kScale == GatherScale::kOwnAmax) {
-    unsigned m = __reduce_max_sync(0xffffffffu, amax_bits_strided(x, x_elements, threadIdx.x, blockDim.x));
-    if (lane == 0) warp_max[warp] = m;
-    __syncthreads();
-    m = __reduce_max_sync(0xffffffffu, lane < kGatherRowsPerBlock ? warp_max[lane] : 0u);
-    scale = amax_to_scale(__uint_as_float(m));
+    scale = amax_to_scale(__uint_as_float(block_amax_bits(x, x_elements, warp_max)));
   } else {
     scale = amax_to_scale(__uint_as_float(*amax_bits));
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
   const int64_t row = int64_t(blockIdx.x) * kGatherRowsPerBlock + warp;
   if (row >= rows || row >= *num_kept) return;
-  const int32_t expanded = permuted_to_expanded[row];
-  if (expanded < 0 || expanded >= rows) {
-    __assert_fail("cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices in [0, num_tokens * top_k) "
-                  "for the rows below expert_offsets[E]", __FILE__, __LINE__, __func__);
-  }
   struct alignas(8) Bytes8 {
     __nv_fp8_storage_t b[8];
   };
-  const uint4* __restrict__ src = reinterpret_cast<const uint4*>(x + (expanded / top_k) * hidden);
+  const uint4* __restrict__ src =
+      reinterpret_cast<const uint4*>(x + gathered_token(permuted_to_expanded, row, rows, top_k) * hidden);
   Bytes8* __restrict__ dst = reinterpret_cast<Bytes8*>(gathered + row * hidden);
   for (int64_t i = lane; i < hidden / 8; i += 32) {
     const uint4 v = src[i];

@@ -50,40 +50,41 @@ static_assert(kPiecesPerRow % 8 == 0 && kPiecesPerRow <= 32, "piece_offset's swi
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-template <class T>
-struct DecodeMma;
+// The output element: rounding (SwiGLU rounds h first) and a store of two values.
+template <class Out>
+struct DecodeOut;
 template <>
-struct DecodeMma<__nv_bfloat16> {
-  static __device__ __forceinline__ void fma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc,
-                                             float (&d)[4]) {
-    cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
-        a0, a1, a2, a3, desc, d[0], d[1], d[2], d[3]);
-  }
+struct DecodeOut<__nv_bfloat16> {
   static __device__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
   static __device__ void store2(void* p, float a, float b) {
     *static_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
   }
 };
 template <>
-struct DecodeMma<__half> {
-  static __device__ __forceinline__ void fma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc,
-                                             float (&d)[4]) {
-    cute::SM90::GMMA::MMA_64x8x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
-        a0, a1, a2, a3, desc, d[0], d[1], d[2], d[3]);
-  }
+struct DecodeOut<__half> {
   static __device__ float round(float v) { return __half2float(__float2half_rn(v)); }
   static __device__ void store2(void* p, float a, float b) { *static_cast<__half2*>(p) = __floats2half2_rn(a, b); }
 };
-struct E4m3 {};  // float8_e4m3fn: k32 per 32 bytes, bfloat16 output
-template <>
-struct DecodeMma<E4m3> {
+
+// One wgmma m64n8 (A in registers, B in shared memory) and the output element, per input type.
+template <class Atom, class Out>
+struct DecodeMmaOf : DecodeOut<Out> {
   static __device__ __forceinline__ void fma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc,
                                              float (&d)[4]) {
-    cute::SM90::GMMA::MMA_64x8x32_F32E4M3E4M3_RS_TN<>::fma(a0, a1, a2, a3, desc, d[0], d[1], d[2], d[3]);
+    Atom::fma(a0, a1, a2, a3, desc, d[0], d[1], d[2], d[3]);
   }
-  static __device__ float round(float v) { return DecodeMma<__nv_bfloat16>::round(v); }
-  static __device__ void store2(void* p, float a, float b) { DecodeMma<__nv_bfloat16>::store2(p, a, b); }
 };
+namespace gmma = cute::SM90::GMMA;
+template <class T>
+struct DecodeMma;
+template <>
+struct DecodeMma<__nv_bfloat16>
+    : DecodeMmaOf<gmma::MMA_64x8x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>, __nv_bfloat16> {};
+template <>
+struct DecodeMma<__half> : DecodeMmaOf<gmma::MMA_64x8x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>, __half> {};
+struct E4m3 {};  // float8_e4m3fn: k32 per 32 bytes, bfloat16 output
+template <>
+struct DecodeMma<E4m3> : DecodeMmaOf<gmma::MMA_64x8x32_F32E4M3E4M3_RS_TN<>, __nv_bfloat16> {};
 
 // The index of the n-th (from 0) expert with rows, or -1. Every warp computes it (no barrier).
 __device__ int nth_expert_with_rows(const int32_t* offsets, int num_experts, int n) {

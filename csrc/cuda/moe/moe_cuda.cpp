@@ -182,6 +182,39 @@ bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes,
   return ctas >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
+// Whether the decode kernel can take activations `a` that it quantizes (quantize_a: bfloat16 a with
+// e4m3 weights) itself: with a static scale always; with a dynamic one each CTA takes the amax
+// over all of a, so up to sm90::kMoeDecodeMaxAmaxElements. Forced (tactic -2), it must.
+bool decode_takes_activations(bool quantize_a, bool static_scale, int64_t numel, int64_t tactic, const char* a_name,
+                              const char* op) {
+  const bool fits = !quantize_a || static_scale || numel <= sm90::kMoeDecodeMaxAmaxElements;
+  TORCH_CHECK(fits || tactic > kMoeDecodeTactic, op, ": the decode kernel quantizes ", a_name,
+              " with a dynamic scale for up to ", sm90::kMoeDecodeMaxAmaxElements, " elements, got ", numel);
+  return fits;
+}
+
+// The decode kernel's arguments shared by both GEMMs: a [tokens, K] (GEMM2: tokens = rows), w
+// [E, n, K], out; w_scale: the contiguous weight scales or undefined.
+sm90::MoeDecodeGemmArgs decode_gemm_args(const at::Tensor& a, const at::Tensor& w, const at::Tensor& expert_offsets,
+                                         int64_t rows, const c10::optional<at::Tensor>& a_scale, bool quantize_a,
+                                         const at::Tensor& w_scale, at::Tensor& out) {
+  sm90::MoeDecodeGemmArgs d;
+  d.a = a.data_ptr();
+  d.a_rows = rows;
+  d.w = w.data_ptr();
+  d.offsets = expert_offsets.data_ptr<int32_t>();
+  d.num_experts = static_cast<int>(w.size(0));
+  d.rows = rows;
+  d.n = w.size(1);
+  d.k_bytes = a.size(1) * w.element_size();
+  d.a_scale = a_scale ? a_scale->data_ptr<float>() : nullptr;
+  d.quantize_a = quantize_a;
+  d.a_elements = a.numel();
+  d.w_scale = w_scale.defined() ? w_scale.data_ptr<float>() : nullptr;
+  d.out = out.data_ptr();
+  return d;
+}
+
 sm90::MoeDecodeElement decode_element(const at::Tensor& a) {
   return a.scalar_type() == at::kBFloat16 ? sm90::MoeDecodeElement::kBFloat16
          : a.scalar_type() == at::kHalf   ? sm90::MoeDecodeElement::kHalf
@@ -226,35 +259,18 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
               op, ": workspace must be a contiguous uint8 tensor of at least ", layout.total, " bytes on ", x.device(),
               " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace_in.scalar_type(), " ", workspace_in.sizes(),
               " on ", workspace_in.device());
-  // The decode kernel quantizes x itself: with x_scale, or from x's amax, which each CTA takes
-  // over all of x (a few tokens: at most sm90::kMoeDecodeMaxAmaxElements).
-  const bool decode_fits_x = !quantize_x || x_scale || x.numel() <= sm90::kMoeDecodeMaxAmaxElements;
-  if (decode_fits_x && use_decode_kernel(tactic, s.rows, w1.size(1), x.size(1) * w1.element_size(), w1.size(0),
-                                         tactic_family(GroupedGemmOp::kFwd, w1.scalar_type(), h_dtype), op)) {
+  if (decode_takes_activations(quantize_x, x_scale.has_value(), x.numel(), tactic, "x", op) &&
+      use_decode_kernel(tactic, s.rows, w1.size(1), x.size(1) * w1.element_size(), w1.size(0),
+                        tactic_family(GroupedGemmOp::kFwd, w1.scalar_type(), h_dtype), op)) {
     TORCH_CHECK(aligned16(w1), op, ": w1 must be 16-byte aligned");
-    at::Tensor w1_scale_contiguous = w1_scale ? w1_scale->contiguous() : at::Tensor();
-    sm90::MoeDecodeGemmArgs a;
-    a.a = x.data_ptr();
-    a.a_rows = s.rows;
+    const at::Tensor w1_scale_contiguous = w1_scale ? w1_scale->contiguous() : at::Tensor();
+    auto a = decode_gemm_args(x, w1, expert_offsets, s.rows, x_scale, quantize_x, w1_scale_contiguous, out);
     a.permuted_to_expanded = permuted_to_expanded.data_ptr<int32_t>();
     a.top_k = static_cast<int>(top_k);
-    a.w = w1.data_ptr();
-    a.offsets = expert_offsets.data_ptr<int32_t>();
-    a.num_experts = static_cast<int>(w1.size(0));
-    a.rows = s.rows;
-    a.n = w1.size(1);
-    a.k_bytes = x.size(1) * w1.element_size();
-    a.a_scale = x_scale ? x_scale->data_ptr<float>() : nullptr;
-    a.quantize_a = quantize_x;
-    a.a_elements = x.numel();
-    a.w_scale = w1_scale ? w1_scale_contiguous.data_ptr<float>() : nullptr;
     a.limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
-    a.out = out.data_ptr();
     sm90::moe_decode_gemm(a, decode_element(w1), /*swiglu=*/true, stream, enable_pdl);
     return;
   }
-  TORCH_CHECK(tactic > kMoeDecodeTactic || !quantize_x || decode_fits_x, op, ": the decode kernel quantizes x with "
-              "a dynamic scale for up to ", sm90::kMoeDecodeMaxAmaxElements, " elements, got ", x.numel());
   const auto workspace =
       workspace_in.numel() == 0 ? at::empty({layout.total}, x.options().dtype(at::kByte)) : workspace_in;
   auto gathered = workspace.narrow(0, 0, layout.gathered_bytes).view(w1.scalar_type()).view({s.rows, x.size(1)});
@@ -309,10 +325,11 @@ void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const 
              s, out, workspace, op);
 }
 
-// GEMM2 into `out`. Rows past the last expert's end stay unwritten (the schema's contract): no
-// route reads them.
 void quantize_into(const at::Tensor& x_in, const c10::optional<at::Tensor>& scale, at::Tensor& out,
                    at::Tensor& scale_out, const char* op);
+
+// GEMM2 into `out`. Rows past the last expert's end stay unwritten (the schema's contract): no
+// route reads them.
 
 void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                 const GroupedGemmShape& shape, at::Tensor& out, at::Tensor* workspace, bool enable_pdl,
@@ -329,9 +346,9 @@ void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::
   // bfloat16 activations with e4m3 w2 (fc2 folding requant in): the decode kernel quantizes them
   // while staging whenever it takes them (a dynamic scale: each CTA's amax over all of them), so
   // that a prepared launch allocates nothing; else a quantized copy for the grouped GEMM.
-  const bool decode_fits_a = !quantize_a || a_scale || intermediate.numel() <= sm90::kMoeDecodeMaxAmaxElements;
   const bool decode =
-      decode_fits_a &&
+      decode_takes_activations(quantize_a, a_scale.has_value(), intermediate.numel(), tactic, "the intermediate",
+                               op) &&
       (use_decode_kernel(tactic, shape.sum_m, shape.n, k_bytes, shape.num_groups, family, op) ||
        (quantize_a && tactic == -1 && sm90::moe_decode_gemm_fits(shape.n, k_bytes, shape.num_groups)));
   if (decode) {
@@ -340,26 +357,11 @@ void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::
                     aligned16(w2),
                 op, ": the decode kernel needs contiguous, 16-byte aligned operands");
     if (w2_scale) w2_scale_contiguous = w2_scale->contiguous();
-    sm90::MoeDecodeGemmArgs a;
-    a.a = a_in.data_ptr();
-    a.a_rows = shape.sum_m;
-    a.w = w2.data_ptr();
-    a.offsets = expert_offsets.data_ptr<int32_t>();
-    a.num_experts = static_cast<int>(shape.num_groups);
-    a.rows = shape.sum_m;
-    a.n = shape.n;
-    a.k_bytes = k_bytes;
-    a.a_scale = a_scale ? a_scale->data_ptr<float>() : nullptr;
-    a.quantize_a = quantize_a;
-    a.a_elements = a_in.numel();
-    a.w_scale = w2_scale ? w2_scale_contiguous.data_ptr<float>() : nullptr;
-    a.out = out.data_ptr();
-    sm90::moe_decode_gemm(a, decode_element(w2), /*swiglu=*/false,
-                          at::cuda::getCurrentCUDAStream(intermediate.get_device()), enable_pdl);
+    sm90::moe_decode_gemm(
+        decode_gemm_args(a_in, w2, expert_offsets, shape.sum_m, a_scale, quantize_a, w2_scale_contiguous, out),
+        decode_element(w2), /*swiglu=*/false, at::cuda::getCurrentCUDAStream(intermediate.get_device()), enable_pdl);
     return;
   }
-  TORCH_CHECK(tactic > kMoeDecodeTactic || decode_fits_a, op, ": the decode kernel quantizes the intermediate with "
-              "a dynamic scale for up to ", sm90::kMoeDecodeMaxAmaxElements, " elements, got ", intermediate.numel());
   if (quantize_a) {
     auto a = at::empty(intermediate.sizes(), intermediate.options().dtype(at::kFloat8_e4m3fn));
     auto scale = at::empty({1}, intermediate.options().dtype(at::kFloat));

@@ -61,15 +61,17 @@ TORCH_LIBRARY(cake, m) {
   // expert's end are zeros. enable_pdl: launch the CUDA kernels with Programmatic Dependent
   // Launch (numerics unaffected). clamp_limits (float32 [E_local]) makes the activation StepFun's
   // SwiGLUStep, min(silu(gate), L_e) * clamp(up, -L_e, L_e) with L_e the row's expert's limit.
-  // tactic (both MoE GEMMs): -1 = automatic (the decode kernel for up to 64 rows, or 2 per expert, where its grid
-  // covers the SMs, else the grouped GEMM's own choice, tuned or heuristic), -2 = the decode kernel
-  // (N % 64 == 0, K bytes % 256 == 0), else that tactic of the fwd family (grouped_gemm_tactics("fwd" /
-  // "fwd_f16" / "fwd_e4m3")); the CPU ignores it. fp8 (both MoE GEMMs): float8_e4m3fn activations and weights with a per-tensor
-  // activation scale (float32, one element) and one weight scale per local expert (float32
-  // [E_local]): expert e's product is scaled by a_scale * w_scale[e] in float32 (physical units:
-  // before the clamp) and rounded to bfloat16, the output dtype. GEMM1 also takes bfloat16 x with
-  // float8_e4m3fn w1: x is quantized per tensor on its way into the gather, with x_scale (static)
-  // or without (dynamic, max|x| / 448), bit for bit quantize_fp8(x, x_scale) then the fp8 path.
+  // tactic (both MoE GEMMs): -1 = automatic (the decode kernel for up to 64 rows, or 2 per
+  // expert, where its grid covers the SMs, else the grouped GEMM's own choice, tuned or
+  // heuristic), -2 = the decode kernel (N % 64 == 0, K bytes % 256 == 0), else that tactic of the
+  // fwd family (grouped_gemm_tactics("fwd" / "fwd_f16" / "fwd_e4m3")); the CPU ignores it. fp8
+  // (both MoE GEMMs): float8_e4m3fn activations and weights with a per-tensor activation scale
+  // (float32, one element) and one weight scale per local expert (float32 [E_local]): expert e's
+  // product is scaled by a_scale * w_scale[e] in float32 (physical units: before the clamp) and
+  // rounded to bfloat16, the output dtype. GEMM1 also takes bfloat16 x with float8_e4m3fn w1: x
+  // is quantized per tensor on its way in (the gather, or the decode kernel's staging), with
+  // x_scale (static) or without (dynamic, max|x| / 448), bit for bit quantize_fp8(x, x_scale)
+  // then the fp8 path.
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
@@ -77,9 +79,9 @@ TORCH_LIBRARY(cake, m) {
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. bfloat16 intermediate with float8_e4m3fn w2: quantized
   // per tensor on the way in (a_scale static, or dynamic), bit for bit quantize_fp8 then the fp8
-  // path -- in the decode kernel's staging when it takes them, else into a temporary. Rows past the last expert's end belong to no route
-  // and are left unwritten on CUDA (moe_finalize never reads them; with expert parallelism they
-  // are most of the tensor).
+  // path -- in the decode kernel's staging when it takes them, else into a temporary. Rows past
+  // the last expert's end belong to no route and are left unwritten on CUDA (moe_finalize never
+  // reads them; with expert parallelism they are most of the tensor).
   m.def(
       "moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True, int tactic=-1, "
       "Tensor? a_scale=None, Tensor? w2_scale=None) -> Tensor");

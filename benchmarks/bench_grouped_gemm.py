@@ -8,6 +8,7 @@ per op, and writes JSON rows (and a PNG plot with --plot). Timing: CUDA events a
 after an L2 flush, median of --reps calls after warm-up.
 """
 import argparse
+import os
 import datetime
 import json
 import math
@@ -94,7 +95,10 @@ class Timer:
                 if setup:
                     setup()
                 if self.device == "cuda":
-                    self.flush.zero_()
+                    if os.environ.get("CAKE_BENCH_FLUSH") == "read":  # TEMPORARY experiment
+                        self.flush.sum(dtype=torch.int32)
+                    else:
+                        self.flush.zero_()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                     fn()

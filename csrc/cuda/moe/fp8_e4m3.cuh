@@ -36,12 +36,21 @@ template <class T>
 __device__ __forceinline__ unsigned amax_bits_strided(const T* x, int64_t n, int64_t first, int64_t stride) {
   constexpr int V = kQuantVec<T>;
   const int64_t vecs = n / V;
+  constexpr int kLoads = 4;  // independent loads in flight per thread
   unsigned m = 0;
-  for (int64_t i = first; i < vecs; i += stride) {
-    const uint4 v = reinterpret_cast<const uint4*>(x)[i];
-    const T* e = reinterpret_cast<const T*>(&v);
+  for (int64_t i = first; i < vecs; i += kLoads * stride) {
+    uint4 v[kLoads];
 #pragma unroll
-    for (int j = 0; j < V; ++j) m = max(m, __float_as_uint(fabsf(load_float(e + j))));
+    for (int u = 0; u < kLoads; ++u) {
+      const int64_t at = i + u * stride;
+      v[u] = at < vecs ? reinterpret_cast<const uint4*>(x)[at] : make_uint4(0, 0, 0, 0);  // zeros: |0| adds nothing
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+      for (int j = 0; j < V; ++j) m = max(m, __float_as_uint(fabsf(load_float(e + j))));
+    }
   }
   for (int64_t i = vecs * V + first; i < n; i += stride) m = max(m, __float_as_uint(fabsf(load_float(x + i))));
   return m;

@@ -19,6 +19,7 @@
 #include <cassert>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -128,6 +129,7 @@ struct DecodeParams {
   int64_t a_elements = 0;                       // ... with a dynamic scale: the amax over all of a
   const float* w_scale = nullptr;
   const float* limits = nullptr;                // SwiGLUStep's per-expert limit
+  int prefetch_row_bytes = 0;                   // GEMM2: L2 prefetch before the PDL wait (multiple of 256)
   void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
 };
 
@@ -373,10 +375,11 @@ __device__ __forceinline__ void mma_step_fenced(StepRegs& regs, uint64_t desc0, 
 }
 
 // One pass over the expert's weights for s.rows <= 8 * kBlocks token rows: the sums land in
-// tile[weight row][token] (fp32).
+// tile[weight row][token] (fp32). The first pass also finds a's scale, once its first weight
+// copies are in flight (a dynamic one reads all of a: at fc2's fold 24 KB per CTA).
 template <class T, bool kSwiGLU, int kBlocks>
-__device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* warp_rows,
-                             float a_scale, uint8_t* ring, uint8_t* b, float* tile) {
+__device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* warp_rows, bool first_pass,
+                             float& a_scale, uint8_t* ring, uint8_t* b, float* tile) {
   const int steps = p.k_bytes / (64 * kUnroll);
   const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
   const uint32_t sbo16 = s.sbo >> 4;
@@ -386,6 +389,7 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, warp_rows, p.k_bytes, i, steps);
+  if (first_pass) a_scale = a_scale_of(p);
   StepRegs regs;
   for (int step = 0; step < steps; ++step) {
     __syncwarp();  // every lane has read the slot this copy refills (step - 1's)
@@ -408,12 +412,28 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
   __syncthreads();
 }
 
+// GEMM2's weights do not depend on the kernel before it: a CTA that PDL launched early (in the
+// previous kernel's tail, on a slot it left idle) asks L2 for the first prefetch_row_bytes of its
+// 64 weight rows before it waits, on idle DRAM time. Its expert comes from offsets read before
+// the wait: routing wrote them two kernels back in the MoE pipelines (GEMM1 waited for it before
+// it let this grid launch); a stale read only wastes the prefetch. GEMM1 does not: routing is the
+// kernel right before it, so its guess would be last step's routing.
+__device__ __forceinline__ void prefetch_weights_to_l2(const DecodeParams& p) {
+  if (p.prefetch_row_bytes == 0) return;
+  const int e = nth_expert_with_rows(p.offsets, p.num_experts, blockIdx.y);
+  if (e < 0 || threadIdx.x >= kTileM) return;
+  const uint8_t* row = p.w + (int64_t(e) * p.n + int64_t(blockIdx.x) * kTileM + threadIdx.x) * p.k_bytes;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(min(p.k_bytes, p.prefetch_row_bytes))
+               : "memory");
+}
+
 template <class T, bool kSwiGLU>
 __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodeParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   uint8_t* b = smem + kRingBytes;
   float* tile = reinterpret_cast<float*>(b + kBBytes);
+  if constexpr (!kSwiGLU) prefetch_weights_to_l2(p);
   pdl_wait();
   pdl_launch_dependents();
   const int64_t kept = min64(p.offsets[p.num_experts], p.rows);
@@ -442,17 +462,16 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodePara
     }
   }
   const uint8_t* warp_rows = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * (threadIdx.x / 32)) * p.k_bytes;
-  const float a_scale = a_scale_of(p);
-  const float alpha = a_scale * (p.w_scale ? p.w_scale[e] : 1.0f);
-
+  float a_scale = 1.0f;
   for (int64_t first = row_begin; first < row_end; first += kRowsPerPass) {
     const Pass s = make_pass(p, first, row_end);
+    const bool first_pass = first == row_begin;
     if (s.blocks == 1) {
-      pass_product<T, kSwiGLU, 1>(p, s, warp_rows, a_scale, ring, b, tile);
+      pass_product<T, kSwiGLU, 1>(p, s, warp_rows, first_pass, a_scale, ring, b, tile);
     } else {
-      pass_product<T, kSwiGLU, kNBlocks>(p, s, warp_rows, a_scale, ring, b, tile);
+      pass_product<T, kSwiGLU, kNBlocks>(p, s, warp_rows, first_pass, a_scale, ring, b, tile);
     }
-    write_pass<T, kSwiGLU>(p, s, e, m_tile, alpha, tile);
+    write_pass<T, kSwiGLU>(p, s, e, m_tile, a_scale * (p.w_scale ? p.w_scale[e] : 1.0f), tile);
   }
 }
 
@@ -462,6 +481,17 @@ void launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
   const dim3 grid(p.n / kTileM, static_cast<unsigned>(slots + (kSwiGLU ? 1 : 0)));
   allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_gemm_kernel<T, kSwiGLU>), kSmemBytes);
   launch_kernel(moe_decode_gemm_kernel<T, kSwiGLU>, grid, dim3(kThreads), kSmemBytes, stream, pdl, p);
+}
+
+// The L2 prefetch budget per weight row: 2 KB x 64 rows x 264 resident CTAs = 33 MB, under the
+// 50 MB L2, so prefetched lines stay until their CTA streams them.
+// TEMPORARY (experiment): CAKE_DECODE_PREFETCH_ROW_BYTES overrides it.
+int decode_prefetch_row_bytes() {
+  static const int bytes = [] {
+    const char* env = std::getenv("CAKE_DECODE_PREFETCH_ROW_BYTES");
+    return env ? std::atoi(env) / 256 * 256 : 2048;
+  }();
+  return bytes;
 }
 
 }  // namespace
@@ -491,6 +521,7 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
   p.out = a.out;
   p.quantize_a = a.quantize_a;
   p.a_elements = a.a_elements;
+  p.prefetch_row_bytes = decode_prefetch_row_bytes();
   switch (element) {
     case MoeDecodeElement::kBFloat16:
       return swiglu ? launch<__nv_bfloat16, true>(p, stream, pdl) : launch<__nv_bfloat16, false>(p, stream, pdl);

@@ -3,8 +3,13 @@ replay (torch.profiler) in launch order, the replay time and the weight floor (b
 touched, at the family's width, / 4.8 TB/s). A diagnostic next to bench_stepfun_moe.py.
 
     python benchmarks/profile_stepfun_moe.py --shapes issue_geometry --families bf16,fp8 --tokens 8,2048
+
+--static-scales: fp8 with static activation scales (fc1_input_scale, fc2_input_scale) calibrated
+on the profiled batch itself (amax / 448), as a deployment with calibrated scales runs it: no amax
+on the device.
 """
 import argparse
+import dataclasses
 import warnings
 
 import torch
@@ -15,12 +20,22 @@ from cake_ops import stepfun_moe as sm
 from profile_fused_moe import kernels_in_order, print_profile
 
 
+def static_scales(weights, x, logits, top_k):
+    """The fp8 view with activation scales calibrated on this batch: amax / 448 of the hidden
+    states and of fc1's output."""
+    routed = sm.routing(logits, top_k=top_k, num_experts=weights.num_experts)
+    h = sm.fc1(x, weights, routed)
+    return dataclasses.replace(weights, fc1_input_scale=(x.float().abs().amax() / 448).reshape(1),
+                               fc2_input_scale=(h.float().abs().amax() / 448).reshape(1))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="issue_geometry")
     p.add_argument("--families", default="bf16,fp8")
     p.add_argument("--tokens", default="8,2048")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--static-scales", action="store_true", help="fp8: calibrated static activation scales")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     for name in args.shapes.split(","):
@@ -31,7 +46,8 @@ def main():
             for t in map(int, args.tokens.split(",")):
                 x = (AMPLITUDE * torch.randn(t, h, device="cuda")).bfloat16()
                 logits = torch.randn(t, e, device="cuda")
-                launch = sm.prepare_stepfun_moe(x, weights, logits, top_k=k)
+                view = static_scales(weights, x, logits, k) if args.static_scales and family == "fp8" else weights
+                launch = sm.prepare_stepfun_moe(x, view, logits, top_k=k)
                 kernels, us = kernels_in_order(launch.launch, args.iters)
                 touched = torch.topk(logits, k, dim=-1).indices.unique().numel()
                 floor_us = touched * 3 * h * inter * weights.w1.element_size() / 4.8e12 * 1e6

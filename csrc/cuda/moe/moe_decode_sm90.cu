@@ -19,7 +19,6 @@
 #include <cassert>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
 
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -129,7 +128,6 @@ struct DecodeParams {
   int64_t a_elements = 0;                       // ... with a dynamic scale: the amax over all of a
   const float* w_scale = nullptr;
   const float* limits = nullptr;                // SwiGLUStep's per-expert limit
-  int prefetch_row_bytes = 0;                   // GEMM2: L2 prefetch before the PDL wait (multiple of 256)
   void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
 };
 
@@ -412,28 +410,12 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
   __syncthreads();
 }
 
-// GEMM2's weights do not depend on the kernel before it: a CTA that PDL launched early (in the
-// previous kernel's tail, on a slot it left idle) asks L2 for the first prefetch_row_bytes of its
-// 64 weight rows before it waits, on idle DRAM time. Its expert comes from offsets read before
-// the wait: routing wrote them two kernels back in the MoE pipelines (GEMM1 waited for it before
-// it let this grid launch); a stale read only wastes the prefetch. GEMM1 does not: routing is the
-// kernel right before it, so its guess would be last step's routing.
-__device__ __forceinline__ void prefetch_weights_to_l2(const DecodeParams& p) {
-  if (p.prefetch_row_bytes == 0) return;
-  const int e = nth_expert_with_rows(p.offsets, p.num_experts, blockIdx.y);
-  if (e < 0 || threadIdx.x >= kTileM) return;
-  const uint8_t* row = p.w + (int64_t(e) * p.n + int64_t(blockIdx.x) * kTileM + threadIdx.x) * p.k_bytes;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(min(p.k_bytes, p.prefetch_row_bytes))
-               : "memory");
-}
-
 template <class T, bool kSwiGLU>
 __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodeParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   uint8_t* b = smem + kRingBytes;
   float* tile = reinterpret_cast<float*>(b + kBBytes);
-  if constexpr (!kSwiGLU) prefetch_weights_to_l2(p);
   pdl_wait();
   pdl_launch_dependents();
   const int64_t kept = min64(p.offsets[p.num_experts], p.rows);
@@ -483,17 +465,6 @@ void launch(const DecodeParams& p, cudaStream_t stream, bool pdl) {
   launch_kernel(moe_decode_gemm_kernel<T, kSwiGLU>, grid, dim3(kThreads), kSmemBytes, stream, pdl, p);
 }
 
-// The L2 prefetch budget per weight row: 2 KB x 64 rows x 264 resident CTAs = 33 MB, under the
-// 50 MB L2, so prefetched lines stay until their CTA streams them.
-// TEMPORARY (experiment): CAKE_DECODE_PREFETCH_ROW_BYTES overrides it.
-int decode_prefetch_row_bytes() {
-  static const int bytes = [] {
-    const char* env = std::getenv("CAKE_DECODE_PREFETCH_ROW_BYTES");
-    return env ? std::atoi(env) / 256 * 256 : 2048;
-  }();
-  return bytes;
-}
-
 }  // namespace
 
 bool moe_decode_gemm_fits(int64_t n, int64_t k_bytes, int64_t num_experts) {
@@ -521,7 +492,6 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
   p.out = a.out;
   p.quantize_a = a.quantize_a;
   p.a_elements = a.a_elements;
-  p.prefetch_row_bytes = decode_prefetch_row_bytes();
   switch (element) {
     case MoeDecodeElement::kBFloat16:
       return swiglu ? launch<__nv_bfloat16, true>(p, stream, pdl) : launch<__nv_bfloat16, false>(p, stream, pdl);

@@ -47,6 +47,20 @@ size_t sort_smem_bytes(int warps, int64_t num_local) {
   return sizeof(int32_t) * (size_t(warps) * num_local + num_local + 1);
 }
 
+// A one-block sort's warps and threads sized to its work: a sort warp per kSortStep routes, a
+// thread warp per token being routed (one warp each), at least 4. Decode's 8 routes had run on
+// 32 sort warps in 1024 threads: 31 warps zeroed their counters, the per-expert scan walked 32
+// of them, and every barrier waited for 1024 threads.
+struct OneBlockShape {
+  int sort_warps;
+  int threads;
+};
+OneBlockShape one_block_shape(int64_t routes, int64_t tokens, int64_t num_local) {
+  const int64_t sort = std::clamp<int64_t>((routes + kSortStep - 1) / kSortStep, 1, sort_warps(num_local));
+  const int64_t warps = std::clamp<int64_t>(std::max(sort, tokens), 4, kSortMaxWarps);
+  return {static_cast<int>(sort), static_cast<int>(32 * warps)};
+}
+
 __device__ __forceinline__ int local_key(int32_t id, const MoeSortArgs& a) {
   const int local = id - a.local_expert_offset;
   const bool kept = id >= 0 && id < a.num_experts && local >= 0 && local < a.num_local_experts;
@@ -695,14 +709,16 @@ void check_routing_limits(int num_experts, int top_k) {
 void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bool pdl) {
   check_sort_experts(a);
   configure_sort_kernels();
+  const int64_t blocks = moe_sort_blocks(a.routes, a.num_local_experts);
+  if (blocks == 1) {
+    const OneBlockShape shape = one_block_shape(a.routes, 0, a.num_local_experts);
+    launch_kernel(moe_sort_one_block_kernel, dim3(1), dim3(shape.threads),
+                  sort_smem_bytes(shape.sort_warps, a.num_local_experts), stream, pdl, a, shape.sort_warps);
+    return;
+  }
   const int warps = sort_warps(a.num_local_experts);
   const int64_t chunk = int64_t(warps) * kSortStep;
   const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
-  const int64_t blocks = moe_sort_blocks(a.routes, a.num_local_experts);
-  if (blocks == 1) {
-    launch_kernel(moe_sort_one_block_kernel, dim3(1), dim3(kSortThreads), smem, stream, pdl, a, warps);
-    return;
-  }
   TORCH_CHECK(block_rows != nullptr, "cake::moe_sort: missing block workspace (internal error)");
   const size_t scan_smem = sizeof(int32_t) * (a.num_local_experts + 1);
   launch_kernel(moe_sort_count_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kSortThreads), smem, stream, pdl,
@@ -798,19 +814,21 @@ void moe_route_and_sort(const void* logits, FloatType type, int64_t tokens, int 
   TORCH_CHECK(moe_route_and_sort_fits(tokens, a), "cake::moe_routing: ", tokens, " tokens over ", a.num_experts,
               " experts do not fit the one-block routing (internal error)");
   configure_sort_kernels();
-  const int warps = sort_warps(a.num_local_experts);
+  const OneBlockShape shape = one_block_shape(a.routes, tokens, a.num_local_experts);
+  const int warps = shape.sort_warps;
+  const dim3 block(shape.threads);
   const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
   switch (type) {
     case FloatType::kFloat:
-      launch_kernel(moe_route_and_sort_one_block_kernel<float>, dim3(1), dim3(kSortThreads), smem, stream, pdl,
+      launch_kernel(moe_route_and_sort_one_block_kernel<float>, dim3(1), block, smem, stream, pdl,
                     static_cast<const float*>(logits), tokens, top_k, ids, weights, a, warps);
       break;
     case FloatType::kBFloat16:
-      launch_kernel(moe_route_and_sort_one_block_kernel<__nv_bfloat16>, dim3(1), dim3(kSortThreads), smem, stream,
-                    pdl, static_cast<const __nv_bfloat16*>(logits), tokens, top_k, ids, weights, a, warps);
+      launch_kernel(moe_route_and_sort_one_block_kernel<__nv_bfloat16>, dim3(1), block, smem, stream, pdl,
+                    static_cast<const __nv_bfloat16*>(logits), tokens, top_k, ids, weights, a, warps);
       break;
     case FloatType::kHalf:
-      launch_kernel(moe_route_and_sort_one_block_kernel<__half>, dim3(1), dim3(kSortThreads), smem, stream, pdl,
+      launch_kernel(moe_route_and_sort_one_block_kernel<__half>, dim3(1), block, smem, stream, pdl,
                     static_cast<const __half*>(logits), tokens, top_k, ids, weights, a, warps);
       break;
   }

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include <algorithm>
+#include <type_traits>
 
 #include <c10/util/Exception.h>
 
@@ -390,7 +391,6 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
 
 // ---- routing (Renormalize top-k) ---------------------------------------------------------------
 constexpr int kRoutingWarps = 4;  // one warp per token
-constexpr int kRoutingPerLane = kMoeRoutingMaxExperts / 32;
 
 // (value, id) a beats (value, id) b: larger value, then lower id.
 __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
@@ -399,7 +399,9 @@ __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
 
 // Token t's Renormalize routing by one warp: top-k of its logits (ties to the lower id), softmax
 // over the k picks in float32, into ids / weights [t * top_k, (t + 1) * top_k).
-// kPerLane: the experts each lane holds (num_experts <= 32 * kPerLane).
+// kPerLane: the experts each lane holds (num_experts <= 32 * kPerLane), sized to the model's
+// experts by the host (one warp is the whole routing of a decode step: its instructions are the
+// routing kernel's latency).
 template <int kPerLane, class T>
 __device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, int top_k, int32_t* ids,
                                    float* weights) {
@@ -415,8 +417,9 @@ __device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, 
     v[i] = x;
     id[i] = e < num_experts ? e : INT_MAX;
   }
-  float top[kMoeRoutingMaxTopK];
-  int top_id = 0;  // lane j keeps the id of pick j
+  // Lane j keeps pick j (its logit and id); every lane keeps the first pick's logit, the largest.
+  float my_top = -INFINITY, top0 = -INFINITY;
+  int top_id = 0;
   for (int j = 0; j < top_k; ++j) {
     float best = -INFINITY;
     int best_id = INT_MAX;
@@ -435,8 +438,11 @@ __device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, 
         best_id = oi;
       }
     }
-    top[j] = best;
-    if (lane == j) top_id = best_id;
+    if (j == 0) top0 = best;
+    if (lane == j) {
+      my_top = best;
+      top_id = best_id;
+    }
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       if (id[i] == best_id) {
@@ -445,32 +451,54 @@ __device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, 
       }
     }
   }
-  // Softmax over the k picks (top[0] is their maximum), float32.
+  // Softmax over the k picks in float32, summed in pick order.
   float sum = 0.f;
-  for (int j = 0; j < top_k; ++j) sum += expf(top[j] - top[0]);
-  for (int j = 0; j < top_k; ++j) {
-    if (lane == j) {
-      ids[t * top_k + j] = top_id;
-      weights[t * top_k + j] = expf(top[j] - top[0]) / sum;
-    }
+  for (int j = 0; j < top_k; ++j) sum += expf(__shfl_sync(0xffffffffu, my_top, j) - top0);
+  if (lane < top_k) {
+    ids[t * top_k + lane] = top_id;
+    weights[t * top_k + lane] = expf(my_top - top0) / sum;
   }
 }
 
-template <class T>
+// Calls f(std::integral_constant<int, P>()) with P, the experts per lane of the routing's warps,
+// the smallest power of two >= num_experts / 32 (at least 2, at most kMaxPerLane).
+template <int kMaxPerLane, class F>
+void with_experts_per_lane(int num_experts, F&& f) {
+  if (num_experts <= 64) return f(std::integral_constant<int, 2>());
+  if (num_experts <= 128 || kMaxPerLane <= 4) return f(std::integral_constant<int, 4>());
+  if (num_experts <= 256 || kMaxPerLane <= 8) return f(std::integral_constant<int, 8>());
+  if (num_experts <= 512 || kMaxPerLane <= 16) return f(std::integral_constant<int, 16>());
+  return f(std::integral_constant<int, (kMaxPerLane < 32 ? 16 : 32)>());
+}
+
+// Calls f with the logits as a pointer to their element type.
+template <class F>
+void with_float_type(const void* logits, FloatType type, F&& f) {
+  switch (type) {
+    case FloatType::kFloat:
+      return f(static_cast<const float*>(logits));
+    case FloatType::kBFloat16:
+      return f(static_cast<const __nv_bfloat16*>(logits));
+    case FloatType::kHalf:
+      return f(static_cast<const __half*>(logits));
+  }
+}
+
+template <int kPerLane, class T>
 __global__ void __launch_bounds__(32 * kRoutingWarps)
     moe_topk_softmax_kernel(const T* logits, int64_t tokens, int num_experts, int top_k, int32_t* ids,
                             float* weights) {
   pdl_wait();
   pdl_launch_dependents();
   const int64_t t = int64_t(blockIdx.x) * kRoutingWarps + threadIdx.x / 32;
-  if (t < tokens) topk_softmax_token<kRoutingPerLane>(logits, t, num_experts, top_k, ids, weights);
+  if (t < tokens) topk_softmax_token<kPerLane>(logits, t, num_experts, top_k, ids, weights);
 }
 
 // Decode: the routing of a few tokens and the sort of their routes in one block, one launch
 // instead of two. Its warps take the tokens in turn, then the block sorts as
 // moe_sort_one_block_kernel (the ids it wrote are visible to the block after the barrier). At
-// most 512 experts: 16 per lane keep the 1024-thread block within its 64 registers a thread.
-template <class T>
+// most 512 experts: 16 per lane keep a 1024-thread block within its 64 registers a thread.
+template <int kPerLane, class T>
 __global__ void __launch_bounds__(kSortThreads)
     moe_route_and_sort_one_block_kernel(const T* logits, int64_t tokens, int top_k, int32_t* ids, float* weights,
                                         MoeSortArgs a, int warps) {
@@ -478,7 +506,7 @@ __global__ void __launch_bounds__(kSortThreads)
   pdl_wait();
   pdl_launch_dependents();
   for (int64_t t = threadIdx.x / 32; t < tokens; t += blockDim.x / 32) {
-    topk_softmax_token<kMoeRouteAndSortMaxExperts / 32>(logits, t, a.num_experts, top_k, ids, weights);
+    topk_softmax_token<kPerLane>(logits, t, a.num_experts, top_k, ids, weights);
   }
   __syncthreads();
   sort_one_block(a, warps, smem);
@@ -685,9 +713,7 @@ namespace {
 void configure_sort_kernels() {
   for (const void* kernel :
        {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel, (const void*)moe_sort_scan_kernel,
-        (const void*)moe_sort_place_kernel, (const void*)moe_route_and_sort_one_block_kernel<float>,
-        (const void*)moe_route_and_sort_one_block_kernel<__nv_bfloat16>,
-        (const void*)moe_route_and_sort_one_block_kernel<__half>}) {
+        (const void*)moe_sort_place_kernel}) {
     allow_dynamic_smem(kernel, static_cast<int>(kSortSmemBudget + 1024));
   }
 }
@@ -786,20 +812,13 @@ void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int nu
   if (tokens == 0) return;
   const dim3 grid(static_cast<unsigned>((tokens + kRoutingWarps - 1) / kRoutingWarps));
   const dim3 block(32 * kRoutingWarps);
-  switch (type) {
-    case FloatType::kFloat:
-      launch_kernel(moe_topk_softmax_kernel<float>, grid, block, 0, stream, pdl, static_cast<const float*>(logits),
+  with_float_type(logits, type, [&](auto typed_logits) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(typed_logits)>>;
+    with_experts_per_lane<kMoeRoutingMaxExperts / 32>(num_experts, [&](auto per_lane) {
+      launch_kernel(moe_topk_softmax_kernel<decltype(per_lane)::value, T>, grid, block, 0, stream, pdl, typed_logits,
                     tokens, num_experts, top_k, ids, weights);
-      break;
-    case FloatType::kBFloat16:
-      launch_kernel(moe_topk_softmax_kernel<__nv_bfloat16>, grid, block, 0, stream, pdl,
-                    static_cast<const __nv_bfloat16*>(logits), tokens, num_experts, top_k, ids, weights);
-      break;
-    case FloatType::kHalf:
-      launch_kernel(moe_topk_softmax_kernel<__half>, grid, block, 0, stream, pdl, static_cast<const __half*>(logits),
-                    tokens, num_experts, top_k, ids, weights);
-      break;
-  }
+    });
+  });
 }
 
 bool moe_route_and_sort_fits(int64_t tokens, const MoeSortArgs& a) {
@@ -818,20 +837,14 @@ void moe_route_and_sort(const void* logits, FloatType type, int64_t tokens, int 
   const int warps = shape.sort_warps;
   const dim3 block(shape.threads);
   const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
-  switch (type) {
-    case FloatType::kFloat:
-      launch_kernel(moe_route_and_sort_one_block_kernel<float>, dim3(1), block, smem, stream, pdl,
-                    static_cast<const float*>(logits), tokens, top_k, ids, weights, a, warps);
-      break;
-    case FloatType::kBFloat16:
-      launch_kernel(moe_route_and_sort_one_block_kernel<__nv_bfloat16>, dim3(1), block, smem, stream, pdl,
-                    static_cast<const __nv_bfloat16*>(logits), tokens, top_k, ids, weights, a, warps);
-      break;
-    case FloatType::kHalf:
-      launch_kernel(moe_route_and_sort_one_block_kernel<__half>, dim3(1), block, smem, stream, pdl,
-                    static_cast<const __half*>(logits), tokens, top_k, ids, weights, a, warps);
-      break;
-  }
+  with_float_type(logits, type, [&](auto typed_logits) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(typed_logits)>>;
+    with_experts_per_lane<kMoeRouteAndSortMaxExperts / 32>(a.num_experts, [&](auto per_lane) {
+      const auto kernel = moe_route_and_sort_one_block_kernel<decltype(per_lane)::value, T>;
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(kSortSmemBudget + 1024));
+      launch_kernel(kernel, dim3(1), block, smem, stream, pdl, typed_logits, tokens, top_k, ids, weights, a, warps);
+    });
+  });
 }
 
 void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expanded_to_permuted,

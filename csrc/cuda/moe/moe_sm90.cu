@@ -515,6 +515,7 @@ __global__ void __launch_bounds__(kSortThreads)
 // ---- finalize ---------------------------------------------------------------------------------
 constexpr int kFinalizeThreads = 128;
 constexpr int kFinalizeMaxTopK = 64;  // routes per token staged in shared memory
+constexpr int64_t kFinalizeFillCtas = 2048;  // ~ the CTAs of 128 threads the GPU holds at once (132 x 16)
 
 template <class T>
 __global__ void __launch_bounds__(kFinalizeThreads)
@@ -535,7 +536,10 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     route_scale[threadIdx.x] = scales[t * top_k + threadIdx.x];
   }
   __syncthreads();
-  for (int64_t v = threadIdx.x; v < hidden_vecs; v += blockDim.x) {
+  // This CTA's share of the token's row: blockIdx.y of gridDim.y slices.
+  const int64_t slice = (hidden_vecs + gridDim.y - 1) / gridDim.y;
+  const int64_t end = std::min(hidden_vecs, (blockIdx.y + 1) * slice);
+  for (int64_t v = blockIdx.y * slice + threadIdx.x; v < end; v += blockDim.x) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     // The k rows' loads go out together; the sum then runs in route order.
     constexpr int kUnroll = 8;
@@ -854,8 +858,13 @@ void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expa
   TORCH_CHECK(hidden % 8 == 0, "cake MoE finalize: hidden must be a multiple of 8 (internal error)");
   TORCH_CHECK(top_k <= kFinalizeMaxTopK, "cake::moe_finalize: CUDA kernels take top_k <= ", kFinalizeMaxTopK,
               ", got ", top_k);
+  // Few tokens: each token's row over several CTAs, so that more of the k rows' loads are in
+  // flight at once (T=1, H=4096: one CTA made four round trips of 8 loads per thread, ~8 us).
+  const int64_t slices = std::clamp<int64_t>(kFinalizeFillCtas / tokens, 1,
+                                             (hidden / 8 + kFinalizeThreads - 1) / kFinalizeThreads);
   auto kernel = is_bf16 ? moe_finalize_kernel<__nv_bfloat16> : moe_finalize_kernel<__half>;
-  launch_kernel(kernel, dim3(static_cast<unsigned>(tokens)), dim3(kFinalizeThreads), 0, stream, pdl,
+  launch_kernel(kernel, dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(slices)), dim3(kFinalizeThreads),
+                0, stream, pdl,
                 static_cast<const uint4*>(permuted_rows), hidden / 8, expanded_to_permuted, scales, top_k, num_rows,
                 static_cast<uint4*>(out));
 }

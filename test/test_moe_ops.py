@@ -203,9 +203,9 @@ def test_decode_kernel_matches_cpu(case, dtype, limits):
 @pytest.mark.parametrize("static_scale", [False, True])
 @pytest.mark.parametrize("case", ["one_token", "ep_shard"])
 def test_decode_kernel_quantizes_bf16_x(case, static_scale):
-    tactic = -2
     """bfloat16 x with e4m3 w1: the decode kernel quantizes x while staging it (a static scale,
     or each CTA's own amax over x), bit for bit quantize_fp8 then the e4m3 path."""
+    tactic = -2
     t, k, e, e_local, offset = DECODE_CASES[case]
     x, ids, _, w1, _ = moe_problem(t, k, e, e_local, 2560, 256, "cpu")
     x = 12 * x  # amplitude: the scale matters

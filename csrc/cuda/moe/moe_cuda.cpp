@@ -330,7 +330,6 @@ void quantize_into(const at::Tensor& x_in, const c10::optional<at::Tensor>& scal
 
 // GEMM2 into `out`. Rows past the last expert's end stay unwritten (the schema's contract): no
 // route reads them.
-
 void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                 const GroupedGemmShape& shape, at::Tensor& out, at::Tensor* workspace, bool enable_pdl,
                 int64_t tactic, const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale,

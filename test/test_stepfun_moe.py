@@ -63,9 +63,12 @@ def topk_reference(logits, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-# On CUDA up to 64 tokens over up to 512 experts route and sort in one kernel, others in two.
+# On CUDA up to 64 tokens over up to 512 experts route and sort in one kernel, others in two; the
+# top-k warps hold 2, 4, 8, 16 or 32 experts per lane by E (<= 64, 128, 256, 512, 1024).
 @pytest.mark.parametrize("t,e,k,shard", [(50, 64, 8, False), (50, 64, 8, True), (300, 64, 8, True),
-                                         (20, 600, 4, False)])
+                                         (20, 600, 4, False), (3, 40, 6, False), (3, 128, 8, False),
+                                         (8, 256, 8, True), (33, 384, 8, False), (100, 200, 8, False),
+                                         (70, 1000, 8, False)])
 def test_routing_from_logits_matches_reference(device, dtype, t, e, k, shard):
     logits = torch.randint(-4, 5, (t, e)).float()  # many ties: the lower id wins
     logits[0, :] = 1.0

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include <algorithm>
+#include <type_traits>
 
 #include <c10/util/Exception.h>
 
@@ -45,6 +46,20 @@ int sort_warps(int64_t num_local) {
 
 size_t sort_smem_bytes(int warps, int64_t num_local) {
   return sizeof(int32_t) * (size_t(warps) * num_local + num_local + 1);
+}
+
+// A one-block sort's warps and threads sized to its work: a sort warp per kSortStep routes, a
+// thread warp per token being routed (one warp each), at least 4. Decode's 8 routes had run on
+// 32 sort warps in 1024 threads: 31 warps zeroed their counters, the per-expert scan walked 32
+// of them, and every barrier waited for 1024 threads.
+struct OneBlockShape {
+  int sort_warps;
+  int threads;
+};
+OneBlockShape one_block_shape(int64_t routes, int64_t tokens, int64_t num_local) {
+  const int64_t sort = std::clamp<int64_t>((routes + kSortStep - 1) / kSortStep, 1, sort_warps(num_local));
+  const int64_t warps = std::clamp<int64_t>(std::max(sort, tokens), 4, kSortMaxWarps);
+  return {static_cast<int>(sort), static_cast<int>(32 * warps)};
 }
 
 __device__ __forceinline__ int local_key(int32_t id, const MoeSortArgs& a) {
@@ -376,7 +391,6 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
 
 // ---- routing (Renormalize top-k) ---------------------------------------------------------------
 constexpr int kRoutingWarps = 4;  // one warp per token
-constexpr int kRoutingPerLane = kMoeRoutingMaxExperts / 32;
 
 // (value, id) a beats (value, id) b: larger value, then lower id.
 __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
@@ -385,7 +399,9 @@ __device__ __forceinline__ bool beats(float va, int ia, float vb, int ib) {
 
 // Token t's Renormalize routing by one warp: top-k of its logits (ties to the lower id), softmax
 // over the k picks in float32, into ids / weights [t * top_k, (t + 1) * top_k).
-// kPerLane: the experts each lane holds (num_experts <= 32 * kPerLane).
+// kPerLane: the experts each lane holds (num_experts <= 32 * kPerLane), sized to the model's
+// experts by the host (one warp is the whole routing of a decode step: its instructions are the
+// routing kernel's latency).
 template <int kPerLane, class T>
 __device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, int top_k, int32_t* ids,
                                    float* weights) {
@@ -401,8 +417,9 @@ __device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, 
     v[i] = x;
     id[i] = e < num_experts ? e : INT_MAX;
   }
-  float top[kMoeRoutingMaxTopK];
-  int top_id = 0;  // lane j keeps the id of pick j
+  // Lane j keeps pick j (its logit and id); every lane keeps the first pick's logit, the largest.
+  float my_top = -INFINITY, top0 = -INFINITY;
+  int top_id = 0;
   for (int j = 0; j < top_k; ++j) {
     float best = -INFINITY;
     int best_id = INT_MAX;
@@ -421,8 +438,11 @@ __device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, 
         best_id = oi;
       }
     }
-    top[j] = best;
-    if (lane == j) top_id = best_id;
+    if (j == 0) top0 = best;
+    if (lane == j) {
+      my_top = best;
+      top_id = best_id;
+    }
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       if (id[i] == best_id) {
@@ -431,32 +451,54 @@ __device__ void topk_softmax_token(const T* logits, int64_t t, int num_experts, 
       }
     }
   }
-  // Softmax over the k picks (top[0] is their maximum), float32.
+  // Softmax over the k picks in float32, summed in pick order.
   float sum = 0.f;
-  for (int j = 0; j < top_k; ++j) sum += expf(top[j] - top[0]);
-  for (int j = 0; j < top_k; ++j) {
-    if (lane == j) {
-      ids[t * top_k + j] = top_id;
-      weights[t * top_k + j] = expf(top[j] - top[0]) / sum;
-    }
+  for (int j = 0; j < top_k; ++j) sum += expf(__shfl_sync(0xffffffffu, my_top, j) - top0);
+  if (lane < top_k) {
+    ids[t * top_k + lane] = top_id;
+    weights[t * top_k + lane] = expf(my_top - top0) / sum;
   }
 }
 
-template <class T>
+// Calls f(std::integral_constant<int, P>()) with P, the experts per lane of the routing's warps,
+// the smallest power of two >= num_experts / 32 (at least 2, at most kMaxPerLane).
+template <int kMaxPerLane, class F>
+void with_experts_per_lane(int num_experts, F&& f) {
+  if (num_experts <= 64) return f(std::integral_constant<int, 2>());
+  if (num_experts <= 128 || kMaxPerLane <= 4) return f(std::integral_constant<int, 4>());
+  if (num_experts <= 256 || kMaxPerLane <= 8) return f(std::integral_constant<int, 8>());
+  if (num_experts <= 512 || kMaxPerLane <= 16) return f(std::integral_constant<int, 16>());
+  return f(std::integral_constant<int, (kMaxPerLane < 32 ? 16 : 32)>());
+}
+
+// Calls f with the logits as a pointer to their element type.
+template <class F>
+void with_float_type(const void* logits, FloatType type, F&& f) {
+  switch (type) {
+    case FloatType::kFloat:
+      return f(static_cast<const float*>(logits));
+    case FloatType::kBFloat16:
+      return f(static_cast<const __nv_bfloat16*>(logits));
+    case FloatType::kHalf:
+      return f(static_cast<const __half*>(logits));
+  }
+}
+
+template <int kPerLane, class T>
 __global__ void __launch_bounds__(32 * kRoutingWarps)
     moe_topk_softmax_kernel(const T* logits, int64_t tokens, int num_experts, int top_k, int32_t* ids,
                             float* weights) {
   pdl_wait();
   pdl_launch_dependents();
   const int64_t t = int64_t(blockIdx.x) * kRoutingWarps + threadIdx.x / 32;
-  if (t < tokens) topk_softmax_token<kRoutingPerLane>(logits, t, num_experts, top_k, ids, weights);
+  if (t < tokens) topk_softmax_token<kPerLane>(logits, t, num_experts, top_k, ids, weights);
 }
 
 // Decode: the routing of a few tokens and the sort of their routes in one block, one launch
 // instead of two. Its warps take the tokens in turn, then the block sorts as
 // moe_sort_one_block_kernel (the ids it wrote are visible to the block after the barrier). At
-// most 512 experts: 16 per lane keep the 1024-thread block within its 64 registers a thread.
-template <class T>
+// most 512 experts: 16 per lane keep a 1024-thread block within its 64 registers a thread.
+template <int kPerLane, class T>
 __global__ void __launch_bounds__(kSortThreads)
     moe_route_and_sort_one_block_kernel(const T* logits, int64_t tokens, int top_k, int32_t* ids, float* weights,
                                         MoeSortArgs a, int warps) {
@@ -464,7 +506,7 @@ __global__ void __launch_bounds__(kSortThreads)
   pdl_wait();
   pdl_launch_dependents();
   for (int64_t t = threadIdx.x / 32; t < tokens; t += blockDim.x / 32) {
-    topk_softmax_token<kMoeRouteAndSortMaxExperts / 32>(logits, t, a.num_experts, top_k, ids, weights);
+    topk_softmax_token<kPerLane>(logits, t, a.num_experts, top_k, ids, weights);
   }
   __syncthreads();
   sort_one_block(a, warps, smem);
@@ -473,6 +515,7 @@ __global__ void __launch_bounds__(kSortThreads)
 // ---- finalize ---------------------------------------------------------------------------------
 constexpr int kFinalizeThreads = 128;
 constexpr int kFinalizeMaxTopK = 64;  // routes per token staged in shared memory
+constexpr int64_t kFinalizeFillCtas = 2048;  // ~ the CTAs of 128 threads the GPU holds at once (132 x 16)
 
 template <class T>
 __global__ void __launch_bounds__(kFinalizeThreads)
@@ -493,7 +536,10 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     route_scale[threadIdx.x] = scales[t * top_k + threadIdx.x];
   }
   __syncthreads();
-  for (int64_t v = threadIdx.x; v < hidden_vecs; v += blockDim.x) {
+  // This CTA's share of the token's row: blockIdx.y of gridDim.y slices.
+  const int64_t slice = (hidden_vecs + gridDim.y - 1) / gridDim.y;
+  const int64_t end = std::min(hidden_vecs, (blockIdx.y + 1) * slice);
+  for (int64_t v = blockIdx.y * slice + threadIdx.x; v < end; v += blockDim.x) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     // The k rows' loads go out together; the sum then runs in route order.
     constexpr int kUnroll = 8;
@@ -671,9 +717,7 @@ namespace {
 void configure_sort_kernels() {
   for (const void* kernel :
        {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel, (const void*)moe_sort_scan_kernel,
-        (const void*)moe_sort_place_kernel, (const void*)moe_route_and_sort_one_block_kernel<float>,
-        (const void*)moe_route_and_sort_one_block_kernel<__nv_bfloat16>,
-        (const void*)moe_route_and_sort_one_block_kernel<__half>}) {
+        (const void*)moe_sort_place_kernel}) {
     allow_dynamic_smem(kernel, static_cast<int>(kSortSmemBudget + 1024));
   }
 }
@@ -695,14 +739,16 @@ void check_routing_limits(int num_experts, int top_k) {
 void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bool pdl) {
   check_sort_experts(a);
   configure_sort_kernels();
+  const int64_t blocks = moe_sort_blocks(a.routes, a.num_local_experts);
+  if (blocks == 1) {
+    const OneBlockShape shape = one_block_shape(a.routes, 0, a.num_local_experts);
+    launch_kernel(moe_sort_one_block_kernel, dim3(1), dim3(shape.threads),
+                  sort_smem_bytes(shape.sort_warps, a.num_local_experts), stream, pdl, a, shape.sort_warps);
+    return;
+  }
   const int warps = sort_warps(a.num_local_experts);
   const int64_t chunk = int64_t(warps) * kSortStep;
   const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
-  const int64_t blocks = moe_sort_blocks(a.routes, a.num_local_experts);
-  if (blocks == 1) {
-    launch_kernel(moe_sort_one_block_kernel, dim3(1), dim3(kSortThreads), smem, stream, pdl, a, warps);
-    return;
-  }
   TORCH_CHECK(block_rows != nullptr, "cake::moe_sort: missing block workspace (internal error)");
   const size_t scan_smem = sizeof(int32_t) * (a.num_local_experts + 1);
   launch_kernel(moe_sort_count_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kSortThreads), smem, stream, pdl,
@@ -770,20 +816,13 @@ void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int nu
   if (tokens == 0) return;
   const dim3 grid(static_cast<unsigned>((tokens + kRoutingWarps - 1) / kRoutingWarps));
   const dim3 block(32 * kRoutingWarps);
-  switch (type) {
-    case FloatType::kFloat:
-      launch_kernel(moe_topk_softmax_kernel<float>, grid, block, 0, stream, pdl, static_cast<const float*>(logits),
+  with_float_type(logits, type, [&](auto typed_logits) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(typed_logits)>>;
+    with_experts_per_lane<kMoeRoutingMaxExperts / 32>(num_experts, [&](auto per_lane) {
+      launch_kernel(moe_topk_softmax_kernel<decltype(per_lane)::value, T>, grid, block, 0, stream, pdl, typed_logits,
                     tokens, num_experts, top_k, ids, weights);
-      break;
-    case FloatType::kBFloat16:
-      launch_kernel(moe_topk_softmax_kernel<__nv_bfloat16>, grid, block, 0, stream, pdl,
-                    static_cast<const __nv_bfloat16*>(logits), tokens, num_experts, top_k, ids, weights);
-      break;
-    case FloatType::kHalf:
-      launch_kernel(moe_topk_softmax_kernel<__half>, grid, block, 0, stream, pdl, static_cast<const __half*>(logits),
-                    tokens, num_experts, top_k, ids, weights);
-      break;
-  }
+    });
+  });
 }
 
 bool moe_route_and_sort_fits(int64_t tokens, const MoeSortArgs& a) {
@@ -798,22 +837,18 @@ void moe_route_and_sort(const void* logits, FloatType type, int64_t tokens, int 
   TORCH_CHECK(moe_route_and_sort_fits(tokens, a), "cake::moe_routing: ", tokens, " tokens over ", a.num_experts,
               " experts do not fit the one-block routing (internal error)");
   configure_sort_kernels();
-  const int warps = sort_warps(a.num_local_experts);
+  const OneBlockShape shape = one_block_shape(a.routes, tokens, a.num_local_experts);
+  const int warps = shape.sort_warps;
+  const dim3 block(shape.threads);
   const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
-  switch (type) {
-    case FloatType::kFloat:
-      launch_kernel(moe_route_and_sort_one_block_kernel<float>, dim3(1), dim3(kSortThreads), smem, stream, pdl,
-                    static_cast<const float*>(logits), tokens, top_k, ids, weights, a, warps);
-      break;
-    case FloatType::kBFloat16:
-      launch_kernel(moe_route_and_sort_one_block_kernel<__nv_bfloat16>, dim3(1), dim3(kSortThreads), smem, stream,
-                    pdl, static_cast<const __nv_bfloat16*>(logits), tokens, top_k, ids, weights, a, warps);
-      break;
-    case FloatType::kHalf:
-      launch_kernel(moe_route_and_sort_one_block_kernel<__half>, dim3(1), dim3(kSortThreads), smem, stream, pdl,
-                    static_cast<const __half*>(logits), tokens, top_k, ids, weights, a, warps);
-      break;
-  }
+  with_float_type(logits, type, [&](auto typed_logits) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(typed_logits)>>;
+    with_experts_per_lane<kMoeRouteAndSortMaxExperts / 32>(a.num_experts, [&](auto per_lane) {
+      const auto kernel = moe_route_and_sort_one_block_kernel<decltype(per_lane)::value, T>;
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(kSortSmemBudget + 1024));
+      launch_kernel(kernel, dim3(1), block, smem, stream, pdl, typed_logits, tokens, top_k, ids, weights, a, warps);
+    });
+  });
 }
 
 void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expanded_to_permuted,
@@ -823,8 +858,13 @@ void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expa
   TORCH_CHECK(hidden % 8 == 0, "cake MoE finalize: hidden must be a multiple of 8 (internal error)");
   TORCH_CHECK(top_k <= kFinalizeMaxTopK, "cake::moe_finalize: CUDA kernels take top_k <= ", kFinalizeMaxTopK,
               ", got ", top_k);
+  // Few tokens: each token's row over several CTAs, so that more of the k rows' loads are in
+  // flight at once (T=1, H=4096: one CTA made four round trips of 8 loads per thread, ~8 us).
+  const int64_t slices = std::clamp<int64_t>(kFinalizeFillCtas / tokens, 1,
+                                             (hidden / 8 + kFinalizeThreads - 1) / kFinalizeThreads);
   auto kernel = is_bf16 ? moe_finalize_kernel<__nv_bfloat16> : moe_finalize_kernel<__half>;
-  launch_kernel(kernel, dim3(static_cast<unsigned>(tokens)), dim3(kFinalizeThreads), 0, stream, pdl,
+  launch_kernel(kernel, dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(slices)), dim3(kFinalizeThreads),
+                0, stream, pdl,
                 static_cast<const uint4*>(permuted_rows), hidden / 8, expanded_to_permuted, scales, top_k, num_rows,
                 static_cast<uint4*>(out));
 }

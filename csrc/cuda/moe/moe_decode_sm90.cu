@@ -202,9 +202,8 @@ struct Pass {
   uint32_t sbo;         // bytes between 8-row groups of B
 };
 
-// 16 bfloat16 values (32 bytes) quantized to 16 e4m3 bytes.
-__device__ __forceinline__ uint4 quantize16(const uint8_t* src, float scale) {
-  const uint4 lo = __ldg(reinterpret_cast<const uint4*>(src)), hi = __ldg(reinterpret_cast<const uint4*>(src) + 1);
+// 16 bfloat16 values (32 bytes: lo, hi) quantized to 16 e4m3 bytes.
+__device__ __forceinline__ uint4 quantize16(const uint4& lo, const uint4& hi, float scale) {
   const __nv_bfloat16* v0 = reinterpret_cast<const __nv_bfloat16*>(&lo);
   const __nv_bfloat16* v1 = reinterpret_cast<const __nv_bfloat16*>(&hi);
   uint4 q;
@@ -231,24 +230,46 @@ __device__ float a_scale_of(const DecodeParams& p) {
   return p.quantize_a ? dynamic_scale(p.a, p.a_elements) : 1.0f;
 }
 
+// B's K chunk `chunk` into shared memory in wgmma's K order. kBatch segments per thread per round
+// have their loads in flight together: a decode pass stages a few KB, and a round trip to L2 per
+// segment was most of the staging's time.
 template <bool kGather>
 __device__ void stage_b(const DecodeParams& p, const Pass& s, int chunk, float a_scale, uint8_t* b) {
+  constexpr int kBatch = 4;
   const int begin = chunk * s.chunk_bytes;
   const int bytes = min(s.chunk_bytes, p.k_bytes - begin);
   const int segments = bytes / 16;
+  const int total = s.rows * segments;
   const int64_t a_row_bytes = p.quantize_a ? 2 * int64_t(p.k_bytes) : p.k_bytes;
-  for (int i = threadIdx.x; i < s.rows * segments; i += kThreads) {
-    const int n = i / segments, seg = i % segments;
-    const int64_t row = s.first_row + n;
-    int64_t src_row = row;
-    if constexpr (kGather) src_row = p.permuted_to_expanded[row] / p.top_k;  // checked before any wgmma
-    const uint8_t* src = p.a + src_row * a_row_bytes;
-    const uint4 v = p.quantize_a ? quantize16(src + 2 * int64_t(begin + 16 * seg), a_scale)
-                                 : __ldg(reinterpret_cast<const uint4*>(src + begin) + seg);
-    const int block = seg / 4, q = seg % 4;
-    uint8_t* dst = b + (n / 8) * s.sbo + (4 * block) * 128 + (n % 8) * 16 + 4 * q;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kBatch * kThreads) {
+    uint4 raw[kBatch][2];  // the segment's 16 bytes, or its 32 bytes of bfloat16 to quantize
 #pragma unroll
-    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(dst + j * 128) = word(v, j);
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * kThreads;
+      if (i >= total) break;
+      const int n = i / segments, seg = i % segments;
+      int64_t src_row = s.first_row + n;
+      if constexpr (kGather) src_row = p.permuted_to_expanded[src_row] / p.top_k;  // checked before any wgmma
+      const uint8_t* src = p.a + src_row * a_row_bytes;
+      if (p.quantize_a) {
+        const uint4* pair = reinterpret_cast<const uint4*>(src + 2 * int64_t(begin + 16 * seg));
+        raw[u][0] = __ldg(pair);
+        raw[u][1] = __ldg(pair + 1);
+      } else {
+        raw[u][0] = __ldg(reinterpret_cast<const uint4*>(src + begin) + seg);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u * kThreads;
+      if (i >= total) break;
+      const int n = i / segments, seg = i % segments;
+      const uint4 v = p.quantize_a ? quantize16(raw[u][0], raw[u][1], a_scale) : raw[u][0];
+      const int block = seg / 4, q = seg % 4;
+      uint8_t* dst = b + (n / 8) * s.sbo + (4 * block) * 128 + (n % 8) * 16 + 4 * q;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(dst + j * 128) = word(v, j);
+    }
   }
   // Generic-proxy stores, then wgmma (async proxy) reads.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

@@ -150,6 +150,25 @@ PyObject* grouped_gemm_tactics(PyObject*, PyObject* arg) {
   }
 }
 
+// Tactic names of a fwd family whose configuration has a SwiGLU twin (the MoE GEMM1 in one kernel).
+PyObject* grouped_gemm_swiglu_twins(PyObject*, PyObject* arg) {
+  const char* family = PyUnicode_AsUTF8(arg);
+  if (family == nullptr) return nullptr;
+  try {
+    PyObject* names = PyList_New(0);
+    for (const auto& tactic : cake::tactics_sm90(cake::tactic_family(family))) {
+      if (cake::swiglu_twin_sm90(tactic) == nullptr) continue;
+      PyObject* name = PyUnicode_FromString(tactic.name.c_str());
+      PyList_Append(names, name);
+      Py_DECREF(name);
+    }
+    return names;
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
+
 // Force tactic `index` for a family (-1: the heuristic again).
 PyObject* set_grouped_gemm_tactic(PyObject*, PyObject* args) {
   const char* family = nullptr;
@@ -232,6 +251,8 @@ PyMethodDef methods[] = {
 #ifdef CAKE_WITH_CUDA
     {"grouped_gemm_tactics", grouped_gemm_tactics, METH_O,
      "Names of the SM90 kernel configurations of a family (fwd, dgrad, wgrad, wgrad_f32)."},
+    {"grouped_gemm_swiglu_twins", grouped_gemm_swiglu_twins, METH_O,
+     "grouped_gemm_swiglu_twins(family): fwd tactics whose tile also runs the MoE GEMM1 with SwiGLU in its epilogue."},
     {"set_grouped_gemm_tactic", set_grouped_gemm_tactic, METH_VARARGS,
      "set_grouped_gemm_tactic(family, index): force a configuration; -1 restores the heuristic."},
     {"grouped_gemm_tactic_for", grouped_gemm_tactic_for, METH_VARARGS,

@@ -136,6 +136,88 @@ def test_cuda_stages_match_cpu_stages(case, dtype):
     assert torch.equal(into, out_cuda)
 
 
+# GEMM1's SwiGLU twins (configs_sm90.inc): the fwd tiles whose epilogue applies the SwiGLU(Step) and stores
+# [rows, I] directly. Per family: (tactic name prefix, tiles with a twin).
+SWIGLU_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
+                                                      "coop_128x256x64_c2x1"]),
+                torch.float16: ("fwd_f16", "fwd_f16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
+                                                        "coop_128x256x64_c2x1"]),
+                torch.float8_e4m3fn: ("fwd_e4m3", "fwd_e4m3_", ["coop_128x256x128_c1x2", "coop_128x256x128_c2x1"])}
+
+
+def ragged_gemm1_problem(dtype, limits):
+    """Routes already sorted by expert: 6 local experts with 0, 1, 130, 7, 300 (hot) and 45 rows, 117 of the
+    600 routes dropped (an EP shard: the rows past the last expert's end); hidden 256, I = 192 (2I = 384 is
+    not a multiple of a 256-column tile)."""
+    t, k, hidden, inter = 300, 2, 256, 192
+    counts = [0, 1, 130, 7, 300, 45]
+    kept = sum(counts)
+    x = torch.randn(t, hidden).to(dtype if dtype != torch.float8_e4m3fn else torch.bfloat16)
+    w1 = interleave_up_gate_sm90((torch.randn(len(counts), 2 * inter, hidden) / hidden**0.5).to(x.dtype))
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    p2e = torch.cat([torch.randperm(t * k)[:kept], torch.full((t * k - kept,), -1)]).int()
+    lim = torch.tensor([7.0, 16.0, 0.5, 3.0, 7.0, 1.0]) if limits else None
+    scales = ()
+    if dtype == torch.float8_e4m3fn:
+        x, x_scale = torch.ops.cake.quantize_fp8(4 * x, None)
+        w1, w1_scale = quantize_per_expert(w1)
+        scales = (x_scale, w1_scale)
+    return x, w1, p2e, offsets, k, lim, scales, kept, inter
+
+
+@cuda_only
+@pytest.mark.parametrize("limits", [False, True], ids=["swiglu", "swiglu_step"])
+@pytest.mark.parametrize("dtype", list(SWIGLU_TWINS), ids=["bf16", "f16", "e4m3"])
+def test_gemm1_swiglu_in_the_gemm_epilogue(dtype, limits):
+    """Each tile with a SwiGLU twin, forced: SwiGLU(Step) in the grouped GEMM's epilogue against the same tile's
+    fwd GEMM (h rounded as it is stored) then the activation in float32 (16-bit families), and against the CPU
+    op; empty, one-row, non-tile-multiple and hot groups; zero rows past the last expert's end."""
+    family, prefix, tiles = SWIGLU_TWINS[dtype]
+    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(dtype, limits)
+    want_cpu = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, lim, -1, *scales)
+    cuda = [v.cuda() for v in (x, w1, p2e, offsets)]
+    lim_cuda = lim.cuda() if limits else None
+    scales_cuda = [v.cuda() for v in scales]
+    names = cake_ops._C.grouped_gemm_tactics(family)
+    for tile in tiles:
+        tactic = names.index(prefix + tile)
+        got = torch.ops.cake.moe_gemm1_swiglu(*cuda, k, True, lim_cuda, tactic, *scales_cuda)
+        assert got.shape == (p2e.numel(), inter) and torch.equal(got[kept:].cpu(), torch.zeros_like(got[kept:].cpu()))
+        # The e4m3 GEMM accumulates with less than float32's precision: atol relative to the output's size.
+        atol = 3e-3 * want_cpu.float().abs().max().item() if dtype == torch.float8_e4m3fn else 2e-2
+        torch.testing.assert_close(got.cpu(), want_cpu, rtol=2e-2, atol=atol, msg=lambda m: f"{tile}: {m}")
+        if dtype == torch.float8_e4m3fn:
+            continue  # no public e4m3 grouped GEMM to compare the unfused product with
+        gathered = cuda[0][cuda[2][:kept].long() // k]
+        cake_ops._C.set_grouped_gemm_tactic(family, tactic)
+        try:
+            h = torch.ops.cake.grouped_gemm_fwd(gathered, cuda[1], cuda[3][1:]).float()
+        finally:
+            cake_ops._C.set_grouped_gemm_tactic(family, -1)
+        up, gate = h.view(kept, -1, 2, 32).unbind(2)
+        silu = gate / (1 + torch.exp(-gate))
+        if limits:
+            row_limit = lim_cuda.repeat_interleave(torch.diff(cuda[3].long()))[:, None, None]
+            act = torch.minimum(silu, row_limit) * torch.minimum(up, row_limit).maximum(-row_limit)
+        else:
+            act = silu * up
+        want = act.reshape(kept, inter).to(dtype)
+        # The same accumulators and float32 steps: equal, but for the odd last-bit difference of exp.
+        same = (got[:kept] == want).float().mean().item()
+        assert same > 0.999, (tile, same)
+        torch.testing.assert_close(got[:kept], want, rtol=2**-7, atol=1e-6, msg=lambda m: f"{tile}: {m}")
+
+
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_swiglu_twins"), reason="built without CUDA kernels")
+def test_swiglu_twins_pair_with_their_fwd_tiles():
+    """Twins are found by name (a fwd configuration's, swiglu_ for fwd_): each listed tile has one in every tile
+    order, and no other tile does (a renamed configuration would silently lose its twin)."""
+    for family, prefix, tiles in SWIGLU_TWINS.values():
+        orders = ["", "_rasterN", "_swz4", "_rasterN_swz4"]
+        assert sorted(cake_ops._C.grouped_gemm_swiglu_twins(family)) == sorted(
+            prefix + tile + order for tile in tiles for order in orders), family
+
+
 # The decode kernel (tactic -2; chosen automatically for up to 64 rows or 2 per expert) against the CPU ops: a hot
 # expert (two 32-row passes), an EP shard (dropped routes: zeroed tail rows), top-1, one token;
 # hidden 2560 bf16 stages B in several K chunks.

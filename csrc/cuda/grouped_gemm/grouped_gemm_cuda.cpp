@@ -44,18 +44,21 @@ void check_workspace(const at::Tensor& workspace, const GroupedGemmShape& s, con
               workspace.nbytes(), " bytes on ", workspace.device());
 }
 
-void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
+// With `swiglu` (fwd only), the SwiGLU twin of the chosen tactic writes SwiGLU(a @ b[e].T) into out
+// [sum_m, N / 2]; false, with nothing launched, when that tactic has no twin.
+bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op, bool pdl,
-                 bool zero_tail, int64_t forced_tactic = -1, GroupedGemmScales scales = {}) {
+                 bool zero_tail, int64_t forced_tactic = -1, GroupedGemmScales scales = {}, bool swiglu = false,
+                 const float* swiglu_limits = nullptr) {
   check_cuda_operands(kind, s, a, b, out, op);
   check_workspace(workspace, s, a, op);
   c10::cuda::CUDAGuard guard(a.device());
   const KernelArch arch = select_kernel_arch(a.get_device(), op);
-  if (out.numel() == 0) return;
-  // A zero-length reduction (fwd K = 0, dgrad N = 0) multiplies nothing.
+  if (out.numel() == 0) return true;
+  // A zero-length reduction (fwd K = 0, dgrad N = 0) multiplies nothing (and SwiGLU(0, 0) = 0).
   if ((kind == Op::kFwd && s.k == 0) || (kind == Op::kDgrad && s.n == 0)) {
     out.zero_();
-    return;
+    return true;
   }
   GroupedGemmParams p;
   p.a = a.data_ptr();
@@ -75,6 +78,7 @@ void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
   p.zero_tail = zero_tail;
   p.a_scale = scales.a;
   p.b_scale = scales.b;
+  p.swiglu_limits = swiglu_limits;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.device);
   switch (arch) {
     case KernelArch::kSm90: {
@@ -83,12 +87,15 @@ void launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
       TORCH_CHECK(forced_tactic < static_cast<int64_t>(table.size()), op, ": tactic must be below ", table.size(),
                   ", got ", forced_tactic);
       const Tactic& tactic = table[forced_tactic >= 0 ? forced_tactic : choose_tactic_sm90(family, s)];
+      const GroupedGemmLaunchFn fn = swiglu ? swiglu_twin_sm90(tactic) : tactic.launch;
+      if (fn == nullptr) return false;
       p.raster_along_n = tactic.raster_along_n;
       p.swizzle = tactic.swizzle;
-      tactic.launch(p, stream);
-      return;
+      fn(p, stream);
+      return true;
     }
   }
+  return false;
 }
 
 // The grouped GEMM ops launch with PDL: the prologue waits for whatever ran before on the
@@ -116,6 +123,15 @@ void run_grouped_gemm_cuda(Op kind, const GroupedGemmShape& s, const at::Tensor&
   }
   auto own = CudaBackend::workspace(s, a);
   launch_with(kind, s, a, b, offs, out, own, op, pdl, zero_tail, tactic, scales);
+}
+
+bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
+                                  const at::Tensor& offs, at::Tensor& out, const float* limits, const char* op,
+                                  bool pdl, int64_t tactic, at::Tensor& workspace, GroupedGemmScales scales) {
+  TORCH_CHECK(s.n % 64 == 0 && out.size(0) == s.sum_m && out.size(1) == s.n / 2, op,
+              ": the SwiGLU GEMM needs N % 64 == 0 and a [sum_m, N / 2] output (internal error)");
+  return launch_with(Op::kFwd, s, a, b, offs, out, workspace, op, pdl, /*zero_tail=*/true, tactic, scales,
+                     /*swiglu=*/true, limits);
 }
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {

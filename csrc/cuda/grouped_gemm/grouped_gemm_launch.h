@@ -40,6 +40,9 @@ struct GroupedGemmParams {
   // null reads as 1). Other configurations ignore them.
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
+  // SwiGLU twins (fwd with the MoE GEMM1's SwiGLU in the epilogue; out is [sum_m, N / 2]): group
+  // g's SwiGLUStep limit (device float32), or null for plain SwiGLU.
+  const float* swiglu_limits = nullptr;
 };
 
 using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);
@@ -47,7 +50,9 @@ using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);
 namespace sm90 {
 // One function per kernel configuration (configs_sm90.inc), each in its own generated .cu file.
 #define CAKE_GG_CONFIG(name, ...) void grouped_gemm_##name(const GroupedGemmParams& p, cudaStream_t stream);
+#define CAKE_SWIGLU_CONFIG CAKE_GG_CONFIG
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
 }  // namespace sm90
 

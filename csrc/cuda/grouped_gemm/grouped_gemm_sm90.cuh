@@ -23,6 +23,7 @@
 
 #include "cuda/common/pdl.cuh"
 #include "cuda/grouped_gemm/grouped_gemm_launch.h"
+#include "cuda/grouped_gemm/swiglu_epilogue_sm90.cuh"
 #include "grouped_gemm_checks.h"
 
 namespace cake::sm90 {
@@ -33,12 +34,14 @@ using namespace cute;
 // the tile's M side and the few rows of a group its N side, so decode-sized groups (a handful
 // of rows per expert) do not waste a 64- or 128-row tile on padding and the weight tile can be
 // long along its contiguous dimension.
-enum class Kind { kFwd, kDgrad, kWgrad, kFwdSwapAB, kDgradSwapAB };
+// kFwdSwiGlu is fwd with the MoE GEMM1's SwiGLU in the epilogue (swiglu_epilogue_sm90.cuh): out
+// is [sum_m, N / 2].
+enum class Kind { kFwd, kDgrad, kWgrad, kFwdSwapAB, kDgradSwapAB, kFwdSwiGlu };
 
 constexpr bool is_swap_ab(Kind k) { return k == Kind::kFwdSwapAB || k == Kind::kDgradSwapAB; }
-// The op a kind computes (fwd, dgrad or wgrad), whatever its operand order.
+// The op a kind computes (fwd, dgrad or wgrad), whatever its operand order or epilogue.
 constexpr Kind op_of(Kind k) {
-  return k == Kind::kFwdSwapAB ? Kind::kFwd : k == Kind::kDgradSwapAB ? Kind::kDgrad : k;
+  return k == Kind::kFwdSwapAB || k == Kind::kFwdSwiGlu ? Kind::kFwd : k == Kind::kDgradSwapAB ? Kind::kDgrad : k;
 }
 
 // Cooperative: both consumer warpgroups split one tile (good for large tiles). Pingpong: each
@@ -98,20 +101,25 @@ struct GroupedGemmConfig {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using LayoutA = std::conditional_t<kKind == Kind::kWgrad || kKind == Kind::kDgradSwapAB,
                                      cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using LayoutB = std::conditional_t<kKind == Kind::kFwd || is_swap_ab(kKind),
+  using LayoutB = std::conditional_t<op_of(kKind) == Kind::kFwd || is_swap_ab(kKind),
                                      cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutD = std::conditional_t<is_swap_ab(kKind), cutlass::layout::ColumnMajor,
                                      cutlass::layout::RowMajor>;
   static constexpr int kAlignIn = 128 / cutlass::sizeof_bits<ElementIn>::value;
   static constexpr int kAlignOut = 128 / cutlass::sizeof_bits<ElementOut>::value;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
-      void, LayoutD*, kAlignOut,  // no source C: D = A * B
-      ElementOut, LayoutD*, kAlignOut, typename Schedule::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator, void,
-                                                   ElementAccumulator>>::CollectiveOp;
+  static constexpr bool kSwiGlu = kKind == Kind::kFwdSwiGlu;
+  using CollectiveEpilogue = std::conditional_t<
+      kSwiGlu,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+          SwiGluEpilogueArray<ElementOut, cutlass::detail::TagToStrideC_t<LayoutD*>>>,
+      typename cutlass::epilogue::collective::CollectiveBuilder<
+          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
+          cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
+          void, LayoutD*, kAlignOut,  // no source C: D = A * B
+          ElementOut, LayoutD*, kAlignOut, typename Schedule::EpilogueSchedule,
+          cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator, void,
+                                                       ElementAccumulator>>::CollectiveOp>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
@@ -190,7 +198,7 @@ __device__ void write_group_arguments(const GroupedGemmParams& p, const GroupArr
     ga = b + e * p.n * p.k, gb = a + start * p.n, gd = d + start * p.k;
   } else if constexpr (kKind == Kind::kFwd) {
     gm = m, gn = n, gk = k;
-    ga = a + start * p.k, gb = b + e * p.n * p.k, gd = d + start * p.n;
+    ga = a + start * p.k, gb = b + e * p.n * p.k, gd = d + start * (Config::kSwiGlu ? p.n / 2 : p.n);
   } else if constexpr (kKind == Kind::kDgrad) {
     gm = m, gn = k, gk = n;
     ga = a + start * p.n, gb = b + e * p.n * p.k, gd = d + start * p.k;
@@ -205,7 +213,7 @@ __device__ void write_group_arguments(const GroupedGemmParams& p, const GroupArr
   arr.ptr_d[e] = gd;
   arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Config::StrideA{}, {gm, gk, 1});
   arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Config::StrideB{}, {gn, gk, 1});
-  arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {gm, gn, 1});
+  arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Config::StrideD{}, {gm, Config::kSwiGlu ? gn / 2 : gn, 1});
   if constexpr (Config::kScaled) {
     arr.alpha[e] = (p.a_scale ? *p.a_scale : 1.0f) * (p.b_scale ? p.b_scale[e] : 1.0f);
   }
@@ -251,7 +259,8 @@ __global__ void __launch_bounds__(kPrologueThreads)
     for (int64_t e = thread; e < p.num_groups; e += threads) write_group_arguments<Config>(p, arr, e);
     // The tail can be most of the output (expert-parallel MoE shards).
     const int64_t last_end = p.num_groups > 0 ? ends[p.num_groups - 1] : 0;
-    const int64_t row_bytes = (kKind == Kind::kFwd ? p.n : p.k) * int64_t(sizeof(ElementOut));
+    const int64_t row_bytes =
+        (kKind == Kind::kFwd ? (Config::kSwiGlu ? p.n / 2 : p.n) : p.k) * int64_t(sizeof(ElementOut));
     if (p.zero_tail && last_end >= 0 && last_end < p.sum_m) {
       zero_bytes(static_cast<char*>(p.out), last_end * row_bytes, p.sum_m * row_bytes, thread, threads);
     }
@@ -304,16 +313,20 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(E), arr.shapes, nullptr};
   args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
-  if constexpr (Config::kScaled) {
-    args.epilogue.thread.alpha_ptr = arr.alpha;
-    args.epilogue.thread.dAlpha = {_0{}, _0{}, 1};  // one alpha per group
+  if constexpr (Config::kSwiGlu) {
+    args.epilogue = {arr.ptr_d, arr.stride_d, Config::kScaled ? arr.alpha : nullptr, p.swiglu_limits};
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    if constexpr (Config::kScaled) {
+      args.epilogue.thread.alpha_ptr = arr.alpha;
+      args.epilogue.thread.dAlpha = {_0{}, _0{}, 1};  // one alpha per group
+    }
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = nullptr;
+    args.epilogue.ptr_D = arr.ptr_d;
+    args.epilogue.dD = arr.stride_d;
   }
-  args.epilogue.ptr_C = nullptr;
-  args.epilogue.dC = nullptr;
-  args.epilogue.ptr_D = arr.ptr_d;
-  args.epilogue.dD = arr.stride_d;
   args.hw_info = hw_info;
   using RasterOrder = decltype(args.scheduler.raster_order);
   args.scheduler.raster_order = p.raster_along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
@@ -338,7 +351,8 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
 
 }  // namespace cake::sm90
 
-// Defines the launcher of one configuration (used by the generated per-configuration .cu files).
+// Defines the launcher of one configuration (used by the generated per-configuration .cu files);
+// a SwiGLU twin (CAKE_SWIGLU_CONFIG) is the same configuration with kind kFwdSwiGlu.
 #define CAKE_GG_DEFINE_CONFIG(name, kind, in, out, tm, tn, tk, cm, cn, schedule)                  \
   void cake::sm90::grouped_gemm_##name(const cake::GroupedGemmParams& p, cudaStream_t stream) { \
     using Config = cake::sm90::GroupedGemmConfig<                                                \
@@ -346,3 +360,4 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
         cute::Shape<cute::Int<cm>, cute::Int<cn>, cute::_1>, cake::sm90::schedule>;              \
     cake::sm90::run_grouped_gemm<Config>(p, stream);                                             \
   }
+#define CAKE_SWIGLU_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG

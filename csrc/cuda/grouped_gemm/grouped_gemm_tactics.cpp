@@ -43,15 +43,30 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
     // Each configuration with the default tile order first (what the heuristic names), then
     // along N, and both with 4-tile swizzles: the autotuner's extra choices.
     auto& table = tables[static_cast<int>(family)];
-    table.push_back({name, fn, false, 1});
-    table.push_back({std::string(name) + "_rasterN", fn, true, 1});
-    table.push_back({std::string(name) + "_swz4", fn, false, 4});
-    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4});
+    table.push_back({name, name, fn, false, 1});
+    table.push_back({std::string(name) + "_rasterN", name, fn, true, 1});
+    table.push_back({std::string(name) + "_swz4", name, fn, false, 4});
+    table.push_back({std::string(name) + "_rasterN_swz4", name, fn, true, 4});
   };
 #define CAKE_GG_CONFIG(name, ...) add(#name, &sm90::grouped_gemm_##name);
+#define CAKE_SWIGLU_CONFIG(name, ...)
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
   return tables;
+}
+
+const std::map<std::string, GroupedGemmLaunchFn>& swiglu_twins() {
+  static const auto twins = [] {
+    std::map<std::string, GroupedGemmLaunchFn> m;
+#define CAKE_GG_CONFIG(name, ...)
+#define CAKE_SWIGLU_CONFIG(name, ...) m[#name] = &sm90::grouped_gemm_##name;
+#include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_SWIGLU_CONFIG
+#undef CAKE_GG_CONFIG
+    return m;
+  }();
+  return twins;
 }
 
 // The tactic named exactly `name` (a configuration and a tile order).
@@ -170,6 +185,13 @@ TacticFamily tactic_family(const std::string& name) {
 const std::vector<Tactic>& tactics_sm90(TacticFamily family) {
   static const auto tables = build_sm90_tables();
   return tables[static_cast<int>(family)];
+}
+
+GroupedGemmLaunchFn swiglu_twin_sm90(const Tactic& tactic) {
+  constexpr const char* kFwd = "fwd_";
+  if (tactic.config.rfind(kFwd, 0) != 0) return nullptr;
+  const auto it = swiglu_twins().find("swiglu_" + tactic.config.substr(std::strlen(kFwd)));
+  return it == swiglu_twins().end() ? nullptr : it->second;
 }
 
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {

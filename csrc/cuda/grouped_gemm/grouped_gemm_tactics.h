@@ -18,6 +18,7 @@ enum class TacticFamily { kFwdBf16, kDgradBf16, kWgradBf16, kWgradF32, kFwdF16, 
 // A kernel configuration and the scheduler's tile order (a run-time choice, no extra kernel).
 struct Tactic {
   std::string name;
+  std::string config;  // the kernel configuration's name (configs_sm90.inc)
   GroupedGemmLaunchFn launch;
   bool raster_along_n = false;
   int swizzle = 1;
@@ -27,6 +28,9 @@ TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::Scalar
 // "fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3" -> family; throws on anything else.
 TacticFamily tactic_family(const std::string& name);
 const std::vector<Tactic>& tactics_sm90(TacticFamily family);
+// The SwiGLU twin of a fwd tactic's configuration (the MoE GEMM1 with SwiGLU in the epilogue, run
+// in the tactic's tile order), or null where the configuration has none.
+GroupedGemmLaunchFn swiglu_twin_sm90(const Tactic& tactic);
 // The forced tactic of the family (set_tactic_override), else the autotuned tactic of the shape
 // bucket (set_tuned_tactic), else the shape heuristic's.
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s);

@@ -293,13 +293,18 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   }
   const auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
   at::Tensor w1_scale_contiguous;
+  const auto scales = gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous);
+  const float* limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
+  // The SwiGLU in the GEMM's epilogue, where the chosen tile has such a twin: h is never stored.
+  if (run_grouped_gemm_swiglu_cuda(shape, gathered, w1, expert_offsets, out, limits, op, enable_pdl, tactic,
+                                   gemm_workspace, scales)) {
+    return;
+  }
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
-                        /*zero_tail=*/false, tactic, &gemm_workspace,
-                        gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous));
+                        /*zero_tail=*/false, tactic, &gemm_workspace, scales);
   sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, expert_offsets.data_ptr<int32_t>(),
-                   static_cast<int>(w1.size(0)), clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr,
-                   out.data_ptr(), h_dtype == at::kBFloat16, stream, enable_pdl);
+                   static_cast<int>(w1.size(0)), limits, out.data_ptr(), h_dtype == at::kBFloat16, stream, enable_pdl);
 }
 
 at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,

@@ -26,6 +26,7 @@
 #include "cuda/common/pdl.cuh"
 #include "cuda/moe/fp8_e4m3.cuh"
 #include "cuda/moe/moe_kernels.h"
+#include "cuda/moe/swiglu.cuh"
 
 namespace cake::sm90 {
 namespace {
@@ -326,8 +327,7 @@ __device__ void write_pass(const DecodeParams& p, const Pass& s, int e, int m_ti
       for (int c = 0; c < 2; ++c) {
         const float up = DecodeMma<T>::round(alpha * tile[(j + c) * kTilePitch + n]);
         const float gate = DecodeMma<T>::round(alpha * tile[(32 + j + c) * kTilePitch + n]);
-        const float silu = __fdiv_rn(gate, 1.0f + expf(-gate));
-        r[c] = p.limits ? __fmul_rn(fminf(silu, limit), fmaxf(fminf(up, limit), -limit)) : __fmul_rn(silu, up);
+        r[c] = swiglu_value(up, gate, p.limits != nullptr, limit);
       }
       DecodeMma<T>::store2(static_cast<uint8_t*>(p.out) + ((first + n) * inter + m_tile * 32 + j) * 2, r[0], r[1]);
     }

@@ -19,6 +19,7 @@
 #include "cuda/common/pdl.cuh"
 #include "cuda/moe/fp8_e4m3.cuh"
 #include "cuda/moe/moe_kernels.h"
+#include "cuda/moe/swiglu.cuh"
 #include "moe_checks.h"
 
 namespace cake::sm90 {
@@ -370,7 +371,7 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
     Vec8<T>::load(__ldg(chunk + 4 + v % 4), gate);
     if (limits == nullptr) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) r[j] = __fmul_rn(__fdiv_rn(gate[j], 1.0f + expf(-gate[j])), up[j]);
+      for (int j = 0; j < 8; ++j) r[j] = swiglu_value(up[j], gate[j], false, 0.0f);
     } else {
       // SwiGLUStep: the row's expert is the last e with offsets[e] <= row.
       int lo = 0, hi = num_experts - 1;
@@ -380,10 +381,7 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
       }
       const float limit = __ldg(limits + lo);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float act = fminf(__fdiv_rn(gate[j], 1.0f + expf(-gate[j])), limit);
-        r[j] = __fmul_rn(act, fmaxf(fminf(up[j], limit), -limit));
-      }
+      for (int j = 0; j < 8; ++j) r[j] = swiglu_value(up[j], gate[j], true, limit);
     }
     *dst = Vec8<T>::store(r);
   }

@@ -275,4 +275,27 @@ void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, co
   TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
 }
 
+MoeGemm2FinalizeShape check_moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2,
+                                                   const at::Tensor& expert_offsets,
+                                                   const at::Tensor& permuted_to_expanded,
+                                                   const at::Tensor& expanded_to_permuted,
+                                                   const at::Tensor& token_final_scales, const at::Tensor& out,
+                                                   const char* op) {
+  const auto gemm = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/false);
+  TORCH_CHECK(intermediate.scalar_type() == at::kBFloat16 || intermediate.scalar_type() == at::kHalf, op,
+              ": the fused finalize takes bfloat16 or float16 operands, got ", intermediate.scalar_type());
+  auto fin = check_moe_finalize(intermediate, expanded_to_permuted, token_final_scales, op);
+  fin.hidden = gemm.n;
+  TORCH_CHECK(fin.num_tokens * fin.top_k == gemm.sum_m, op, ": intermediate must have num_tokens * top_k = ",
+              fin.num_tokens * fin.top_k, " rows (token_final_scales is ", token_final_scales.sizes(), "), got ",
+              gemm.sum_m);
+  TORCH_CHECK(permuted_to_expanded.dim() == 1 && permuted_to_expanded.size(0) == gemm.sum_m &&
+                  permuted_to_expanded.scalar_type() == at::kInt && permuted_to_expanded.device() == out.device(),
+              op, ": permuted_to_expanded must be int32 [num_tokens * top_k] = [", gemm.sum_m, "] on ", out.device(),
+              ", got ", permuted_to_expanded.scalar_type(), " ", permuted_to_expanded.sizes(), " on ",
+              permuted_to_expanded.device());
+  check_moe_finalize_out(out, fin, intermediate, op);
+  return {gemm, fin};
+}
+
 }  // namespace cake

@@ -121,4 +121,17 @@ constexpr float kFp8MinAmax = 1e-12f;
 void check_moe_finalize_out(const at::Tensor& out, const MoeFinalizeShape& s, const at::Tensor& permuted_rows,
                             const char* op);
 
+// moe_gemm2_finalize_out: GEMM2's operands (16-bit), the routing of moe_finalize and out [num_tokens,
+// hidden] of the intermediate's dtype.
+struct MoeGemm2FinalizeShape {
+  GroupedGemmShape gemm;
+  MoeFinalizeShape finalize;
+};
+MoeGemm2FinalizeShape check_moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2,
+                                                   const at::Tensor& expert_offsets,
+                                                   const at::Tensor& permuted_to_expanded,
+                                                   const at::Tensor& expanded_to_permuted,
+                                                   const at::Tensor& token_final_scales, const at::Tensor& out,
+                                                   const char* op);
+
 }  // namespace cake

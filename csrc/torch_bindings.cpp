@@ -114,6 +114,16 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_gemm2_out(Tensor intermediate, Tensor w2, Tensor expert_offsets, Tensor(a!) out, Tensor(b!) workspace, "
       "bool enable_pdl=True, int tactic=-1, Tensor? a_scale=None, Tensor? w2_scale=None) -> ()");
+  // GEMM2 with the fused finalize (fused_moe_bf16's default): out [T, H] (the intermediate's dtype,
+  // bfloat16 or float16; contents overwritten) = sum over the kept routes of token t of
+  // round(scales[t, j] * round(row)), row = GEMM2's product row of route (t, j), each addition
+  // rounded to out's dtype. On CUDA the additions are atomics in any order (not bitwise
+  // reproducible; moe_finalize is the fixed-order combine); the CPU adds in route order. Where the
+  // GEMM's tile has no fused epilogue (decode sizes), GEMM2 then moe_finalize run instead.
+  m.def(
+      "moe_gemm2_finalize_out(Tensor intermediate, Tensor w2, Tensor expert_offsets, Tensor permuted_to_expanded, "
+      "Tensor expanded_to_permuted, Tensor token_final_scales, Tensor(a!) out, bool enable_pdl=True, "
+      "int tactic=-1) -> ()");
   // The same into a caller-owned [T, H] tensor of permuted_rows' dtype (fused_moe_bf16's moe_output).
   m.def(
       "moe_finalize_out(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
@@ -150,14 +160,22 @@ PyObject* grouped_gemm_tactics(PyObject*, PyObject* arg) {
   }
 }
 
-// Tactic names of a fwd family whose configuration has a SwiGLU twin (the MoE GEMM1 in one kernel).
-PyObject* grouped_gemm_swiglu_twins(PyObject*, PyObject* arg) {
-  const char* family = PyUnicode_AsUTF8(arg);
-  if (family == nullptr) return nullptr;
+// Tactic names of a fwd family whose configuration has an epilogue twin ("swiglu": the MoE GEMM1 in
+// one kernel; "scatter": the MoE GEMM2 with the fused finalize).
+PyObject* grouped_gemm_epilogue_twins(PyObject*, PyObject* args) {
+  const char* family = nullptr;
+  const char* kind = nullptr;
+  if (!PyArg_ParseTuple(args, "ss", &family, &kind)) return nullptr;
+  const std::string twin_name(kind);
+  if (twin_name != "swiglu" && twin_name != "scatter") {
+    PyErr_SetString(PyExc_ValueError, "grouped_gemm_epilogue_twins: kind must be 'swiglu' or 'scatter'");
+    return nullptr;
+  }
+  const auto twin = twin_name == "swiglu" ? cake::EpilogueTwin::kSwiGlu : cake::EpilogueTwin::kScatter;
   try {
     PyObject* names = PyList_New(0);
     for (const auto& tactic : cake::tactics_sm90(cake::tactic_family(family))) {
-      if (cake::swiglu_twin_sm90(tactic) == nullptr) continue;
+      if (cake::epilogue_twin_sm90(tactic, twin) == nullptr) continue;
       PyObject* name = PyUnicode_FromString(tactic.name.c_str());
       PyList_Append(names, name);
       Py_DECREF(name);
@@ -251,8 +269,9 @@ PyMethodDef methods[] = {
 #ifdef CAKE_WITH_CUDA
     {"grouped_gemm_tactics", grouped_gemm_tactics, METH_O,
      "Names of the SM90 kernel configurations of a family (fwd, dgrad, wgrad, wgrad_f32)."},
-    {"grouped_gemm_swiglu_twins", grouped_gemm_swiglu_twins, METH_O,
-     "grouped_gemm_swiglu_twins(family): fwd tactics whose tile also runs the MoE GEMM1 with SwiGLU in its epilogue."},
+    {"grouped_gemm_epilogue_twins", grouped_gemm_epilogue_twins, METH_VARARGS,
+     "grouped_gemm_epilogue_twins(family, kind): fwd tactics whose tile also runs with the MoE GEMM1's SwiGLU "
+     "(kind 'swiglu') or the MoE GEMM2's fused finalize ('scatter') as its epilogue."},
     {"set_grouped_gemm_tactic", set_grouped_gemm_tactic, METH_VARARGS,
      "set_grouped_gemm_tactic(family, index): force a configuration; -1 restores the heuristic."},
     {"grouped_gemm_tactic_for", grouped_gemm_tactic_for, METH_VARARGS,

@@ -208,14 +208,105 @@ def test_gemm1_swiglu_in_the_gemm_epilogue(dtype, limits):
         torch.testing.assert_close(got[:kept], want, rtol=2**-7, atol=1e-6, msg=lambda m: f"{tile}: {m}")
 
 
-@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_swiglu_twins"), reason="built without CUDA kernels")
-def test_swiglu_twins_pair_with_their_fwd_tiles():
-    """Twins are found by name (a fwd configuration's, swiglu_ for fwd_): each listed tile has one in every tile
-    order, and no other tile does (a renamed configuration would silently lose its twin)."""
-    for family, prefix, tiles in SWIGLU_TWINS.values():
-        orders = ["", "_rasterN", "_swz4", "_rasterN_swz4"]
-        assert sorted(cake_ops._C.grouped_gemm_swiglu_twins(family)) == sorted(
-            prefix + tile + order for tile in tiles for order in orders), family
+# GEMM2's scatter twins: the same 16-bit tiles with the fused finalize as their epilogue (no e4m3: the fp8
+# StepFun pipeline finalizes in a fixed order by its specification).
+SCATTER_TWINS = {dtype: SWIGLU_TWINS[dtype] for dtype in (torch.bfloat16, torch.float16)}
+
+
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_epilogue_twins"), reason="built without CUDA kernels")
+@pytest.mark.parametrize("kind,twins", [("swiglu", SWIGLU_TWINS), ("scatter", SCATTER_TWINS)])
+def test_epilogue_twins_pair_with_their_fwd_tiles(kind, twins):
+    """Twins are found by name (a fwd configuration's, swiglu_ / scatter_ for fwd_): each listed tile has one in
+    every tile order, and no other tile does (a renamed configuration would silently lose its twin)."""
+    orders = ["", "_rasterN", "_swz4", "_rasterN_swz4"]
+    for dtype, (family, prefix, _) in SWIGLU_TWINS.items():
+        tiles = twins[dtype][2] if dtype in twins else []
+        assert sorted(cake_ops._C.grouped_gemm_epilogue_twins(family, kind)) == sorted(
+            prefix + tile + order for tile in tiles for order in orders), (family, kind)
+
+
+def finalize_in_route_order(rows, e2p, scales, dtype):
+    """The fused finalize's numbers with the additions in route order: each router-scaled row rounded to the
+    output dtype, each sum too."""
+    t, k = scales.shape
+    routes = e2p.view(t, k)
+    out = torch.zeros(t, rows.shape[1], dtype=dtype)
+    for j in range(k):
+        term = (rows[routes[:, j].clamp_min(0).long()].float() * scales[:, j:j + 1]).to(dtype)
+        out = torch.where(routes[:, j:j + 1] >= 0, (out.float() + term.float()).to(dtype), out)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(ROUTING_CASES.values()), ids=list(ROUTING_CASES))
+def test_gemm2_finalize_matches_gemm2_then_finalize(device, dtype, case):
+    """GEMM2 with the fused finalize: on the CPU exactly the route-order additions with one rounding each; on
+    CUDA (atomics in any order, or the fixed-order fallback at these sizes) within their rounding of the
+    float32 combine; out is overwritten (NaN before), tokens without a local route are zero."""
+    t, k, e, e_local, offset = case
+    x, ids, scales, w1, w2 = moe_problem(t, k, e, e_local, 128, 96, "cpu", dtype)
+    _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 64)
+    inter = torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, k)
+    rows = torch.ops.cake.moe_gemm2(inter, w2, offsets)
+    args = [v.to(device) for v in (inter, w2, offsets, p2e, e2p, scales)]
+    out = torch.full((t, 128), float("nan"), dtype=dtype, device=device)
+    torch.ops.cake.moe_gemm2_finalize_out(*args, out)
+    if device == "cpu":
+        assert torch.equal(out, finalize_in_route_order(rows, e2p, scales, dtype))
+    else:
+        torch.testing.assert_close(out.cpu(), torch.ops.cake.moe_finalize(rows, e2p, scales), rtol=2e-2, atol=2e-2)
+    if t:
+        no_local_route = (e2p.view(t, k) < 0).all(1)
+        assert torch.equal(out.cpu()[no_local_route], torch.zeros_like(out.cpu()[no_local_route]))
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", list(SCATTER_TWINS), ids=["bf16", "f16"])
+def test_gemm2_fused_finalize_in_the_gemm_epilogue(dtype):
+    """Each tile with a scatter twin, forced, on ragged groups (empty, one row, not a tile multiple, hot) with an
+    EP shard's dropped routes: the atomic combine against the same rows added in route order (each tile's GEMM2
+    rows: the atomics' order changes only the roundings of the sums) and against the float32 combine."""
+    family, prefix, tiles = SCATTER_TWINS[dtype]
+    t, k, hidden, inter_size = 300, 2, 256, 192
+    counts = [0, 1, 130, 7, 300, 45]
+    kept = sum(counts)
+    inter = torch.randn(t * k, inter_size).to(dtype)
+    w2 = (torch.randn(len(counts), hidden, inter_size) / inter_size**0.5).to(dtype)
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    p2e = torch.cat([torch.randperm(t * k)[:kept], torch.full((t * k - kept,), -1)]).int()
+    e2p = torch.full((t * k,), -1, dtype=torch.int32)
+    e2p[p2e[:kept].long()] = torch.arange(kept, dtype=torch.int32)
+    scales = torch.softmax(torch.randn(t, k), -1)
+    cuda = [v.cuda() for v in (inter, w2, offsets, p2e, e2p, scales)]
+    names = cake_ops._C.grouped_gemm_tactics(family)
+    for tile in tiles:
+        tactic = names.index(prefix + tile)
+        rows = torch.ops.cake.moe_gemm2(cuda[0], cuda[1], cuda[2], True, tactic).cpu()
+        out = torch.full((t, hidden), float("nan"), dtype=dtype, device="cuda")
+        torch.ops.cake.moe_gemm2_finalize_out(*cuda, out, True, tactic)
+        out = out.cpu()
+        in_order = finalize_in_route_order(rows, e2p, scales, dtype)
+        # k = 2: a token's two additions in either order give the same bits (0 + a + b == 0 + b + a).
+        assert torch.equal(out, in_order), tile
+        torch.testing.assert_close(out, torch.ops.cake.moe_finalize(rows, e2p, scales), rtol=2e-2, atol=2e-2)
+
+
+def test_gemm2_finalize_rejects_bad_inputs():
+    x, ids, scales, w1, w2 = moe_problem(4, 2, 8, 8, 64, 32, "cpu")
+    _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, 8, 8, 0, 64)
+    inter = torch.randn(8, 32).bfloat16()
+    out = torch.empty(4, 64, dtype=torch.bfloat16)
+    op = torch.ops.cake.moe_gemm2_finalize_out
+    with pytest.raises(RuntimeError, match=r"cake::moe_gemm2_finalize_out: the fused finalize takes bfloat16 or "
+                                           r"float16 operands, got Float"):
+        op(inter.float(), w2.float(), offsets, p2e, e2p, scales, out.float())
+    with pytest.raises(RuntimeError, match=r"cake::moe_gemm2_finalize_out: out must have shape \[num_tokens, hidden\] "
+                                           r"= \[4, 64\], got \[4, 32\]"):
+        op(inter, w2, offsets, p2e, e2p, scales, out[:, :32])
+    with pytest.raises(RuntimeError, match=r"cake::moe_gemm2_finalize_out: intermediate must have num_tokens \* "
+                                           r"top_k = 6 rows"):
+        op(inter, w2, offsets, p2e[:6], e2p[:6], scales[:3], out[:3])
 
 
 # The decode kernel (tactic -2; chosen automatically for up to 64 rows or 2 per expert) against the CPU ops: a hot
@@ -369,6 +460,8 @@ def test_moe_ops_opcheck():
     rows = torch.randn(48, 64).bfloat16()
     torch.library.opcheck(torch.ops.cake.moe_finalize, (rows, e2p, scales))
     torch.library.opcheck(torch.ops.cake.moe_finalize_out, (rows, e2p, scales, torch.empty(12, 64).bfloat16()))
+    torch.library.opcheck(torch.ops.cake.moe_gemm2_finalize_out,
+                          (inter, w2, offsets, p2e, e2p, scales, torch.empty(12, 64).bfloat16()))
 
 
 class TestMoeSortErrors(expecttest.TestCase):

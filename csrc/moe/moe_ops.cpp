@@ -214,6 +214,29 @@ void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expande
   out.copy_(moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, enable_pdl));
 }
 
+void moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
+                            const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
+                            const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl, int64_t tactic) {
+  const auto s = check_moe_gemm2_finalize_out(intermediate, w2, expert_offsets, permuted_to_expanded,
+                                              expanded_to_permuted, token_final_scales, out,
+                                              "cake::moe_gemm2_finalize_out")
+                     .finalize;
+  const auto dtype = out.scalar_type();
+  const auto rows = moe_gemm2(intermediate, w2, expert_offsets, enable_pdl, tactic, c10::nullopt, c10::nullopt);
+  const auto routes = expanded_to_permuted.view({s.num_tokens, s.top_k});
+  auto sum = at::zeros({s.num_tokens, s.hidden}, out.options());
+  // The CUDA kernel's additions, in route order: each term and each sum rounded to out's dtype.
+  for (int64_t j = 0; j < s.top_k; ++j) {
+    const auto route = routes.select(1, j);
+    const auto kept = (route >= 0).unsqueeze(1);
+    const auto term = (rows.index_select(0, route.clamp_min(0).to(at::kLong)).to(at::kFloat) *
+                       token_final_scales.select(1, j).unsqueeze(1))
+                          .to(dtype);
+    sum = at::where(kept, (sum.to(at::kFloat) + term.to(at::kFloat)).to(dtype), sum);
+  }
+  out.copy_(sum);
+}
+
 TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_sort", &moe_sort);
   m.impl("moe_routing", &moe_routing);
@@ -226,6 +249,7 @@ TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("quantize_fp8_out", &quantize_fp8_out);
   m.impl("moe_finalize", &moe_finalize);
   m.impl("moe_finalize_out", &moe_finalize_out);
+  m.impl("moe_gemm2_finalize_out", &moe_gemm2_finalize_out);
 }
 
 }  // namespace cake

@@ -34,4 +34,8 @@ at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expan
 void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                       const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl);
 
+void moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
+                            const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
+                            const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl, int64_t tactic);
+
 }  // namespace cake

@@ -260,6 +260,24 @@ def _moe_finalize_out_fake(permuted_rows, expanded_to_permuted, token_final_scal
            f"got {list(out.shape)} {out.dtype} on {out.device}")
 
 
+@register_fake("cake::moe_gemm2_finalize_out")
+def _moe_gemm2_finalize_out_fake(intermediate, w2, expert_offsets, permuted_to_expanded, expanded_to_permuted,
+                                 token_final_scales, out, enable_pdl=True, tactic=-1):
+    op = "cake::moe_gemm2_finalize_out"
+    shape = check_fwd(intermediate, w2, expert_offsets, op, allow_e4m3=False)
+    _check(intermediate.dtype in (torch.bfloat16, torch.float16),
+           f"{op}: the fused finalize takes bfloat16 or float16 operands, got {intermediate.dtype}")
+    _moe_finalize_fake(intermediate, expanded_to_permuted, token_final_scales)  # the routing's checks
+    tokens, top_k = token_final_scales.shape
+    _check(tokens * top_k == shape[0],
+           f"{op}: intermediate must have num_tokens * top_k = {tokens * top_k} rows, got {shape[0]}")
+    _check(permuted_to_expanded.dtype == torch.int32 and permuted_to_expanded.shape == (shape[0],),
+           f"{op}: permuted_to_expanded must be int32 [num_tokens * top_k] = [{shape[0]}]")
+    _check(out.shape == (tokens, shape[1]) and out.dtype == intermediate.dtype and out.device == intermediate.device,
+           f"{op}: out must be [num_tokens, hidden] = {[tokens, shape[1]]} of the intermediate's dtype and device, "
+           f"got {list(out.shape)} {out.dtype} on {out.device}")
+
+
 @register_fake("cake::moe_routing_out")
 def _moe_routing_out_fake(router_logits, topk_ids, topk_weights, top_k, num_experts, num_local_experts,
                           local_expert_offset, tile_size, expert_ids, expert_weights, expert_counts, expert_offsets,

@@ -3,20 +3,25 @@
 ``fused_moe_bf16`` has the specification's signature, semantics, defaults and shape rules. It is
 built from the ``torch.ops.cake`` MoE ops: ``moe_sort`` (counts, offsets, permutation, tiles, on
 the device) -> ``moe_gemm1_swiglu`` -> ``moe_gemm2`` -> ``moe_finalize`` (router-scaled combine in
-float32, fixed order). No value leaves the device, so a call never synchronises and can be
+float32, fixed order), or with the fused finalize ``moe_gemm2_finalize_out`` for the last two. No value leaves the device, so a call never synchronises and can be
 captured in a CUDA graph or traced by ``torch.compile(fullgraph=True)``.
 
 On the GPU (SM90) each stage is a CUDA kernel: a one-block stable token sort, a row gather, the
-grouped GEMM (bf16 or fp16), a SwiGLU pass, the grouped GEMM again and the fixed-order combine;
-with ``enable_pdl`` (default) every kernel of the chain launches with Programmatic Dependent
-Launch. Status (issue 4): the gather and SwiGLU are not yet fused into GEMM1's mainloop and
-epilogue, and both ``use_fused_finalize`` values run the deterministic combine (so the output is
-bitwise reproducible either way). Tiles: the tile / cluster / raster overrides, checked by the
-specification's rules, pick the grouped GEMM configuration of each GEMM (:func:`override_tactic`;
-a combination this build has no kernel for is an error that lists the ones it has); without
-them the grouped GEMM's heuristic decides, or inside ``cake_ops.autotune()`` the fastest of every
-tactic, timed per shape bucket of each GEMM and kept (in memory, and in the context's cache
-file) for later calls, graphs and compiled code.
+grouped GEMM (bf16 or fp16) with the SwiGLU, the grouped GEMM again and the combine; with
+``enable_pdl`` (default) every kernel of the chain launches with Programmatic Dependent Launch.
+Decode sizes run both GEMMs in a weight-streaming kernel (gather and SwiGLU inside). Above ~32
+rows per expert the grouped GEMM's tiles apply the SwiGLU in GEMM1's epilogue and, with
+``use_fused_finalize`` (default), add GEMM2's router-scaled rows into the output with atomics (one
+output-dtype rounding per route, not bitwise reproducible); ``use_fused_finalize=False``, the
+decode kernel and the swap-AB tiles combine in float32 in a fixed order (``moe_finalize``). The
+gather is not yet fused into GEMM1's mainloop.
+
+Tiles: the tile / cluster / raster overrides, checked by the specification's rules, pick the
+grouped GEMM configuration of each GEMM (:func:`override_tactic`; a combination this build has no
+kernel for is an error that lists the ones it has); without them the grouped GEMM's heuristic
+decides, or inside ``cake_ops.autotune()`` the fastest of every tactic, timed per shape bucket of
+each GEMM and kept (in memory, and in the context's cache file) for later calls, graphs and
+compiled code.
 """
 from __future__ import annotations
 
@@ -212,6 +217,12 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
             inter, w2_weight, offsets, enable_pdl), x.device)
+    if use_fused_finalize:
+        # GEMM2 adds the router-scaled rows into the output itself (atomics: one rounding per route).
+        out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
+        torch.ops.cake.moe_gemm2_finalize_out(inter, w2_weight, offsets, permuted_to_expanded, expanded_to_permuted,
+                                              scales, out, enable_pdl, gemm2_tactic)
+        return out
     expert_rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, gemm2_tactic)
     if moe_output is not None:
         torch.ops.cake.moe_finalize_out(expert_rows, expanded_to_permuted, scales, moe_output, enable_pdl)

@@ -44,12 +44,19 @@ void check_workspace(const at::Tensor& workspace, const GroupedGemmShape& s, con
               workspace.nbytes(), " bytes on ", workspace.device());
 }
 
-// With `swiglu` (fwd only), the SwiGLU twin of the chosen tactic writes SwiGLU(a @ b[e].T) into out
-// [sum_m, N / 2]; false, with nothing launched, when that tactic has no twin.
+// An epilogue twin of the chosen fwd tactic (grouped_gemm_tactics.h) and what it needs beyond the GEMM.
+struct TwinLaunch {
+  EpilogueTwin twin = EpilogueTwin::kNone;
+  const float* swiglu_limits = nullptr;
+  GroupedGemmParams::Scatter scatter;
+};
+
+// With a twin (fwd only), the chosen tactic's twin runs instead of it; false, with nothing launched,
+// when that tactic has none.
 bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                  const at::Tensor& offs, at::Tensor& out, at::Tensor& workspace, const char* op, bool pdl,
-                 bool zero_tail, int64_t forced_tactic = -1, GroupedGemmScales scales = {}, bool swiglu = false,
-                 const float* swiglu_limits = nullptr) {
+                 bool zero_tail, int64_t forced_tactic = -1, GroupedGemmScales scales = {},
+                 const TwinLaunch& twin = {}) {
   check_cuda_operands(kind, s, a, b, out, op);
   check_workspace(workspace, s, a, op);
   c10::cuda::CUDAGuard guard(a.device());
@@ -78,7 +85,8 @@ bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
   p.zero_tail = zero_tail;
   p.a_scale = scales.a;
   p.b_scale = scales.b;
-  p.swiglu_limits = swiglu_limits;
+  p.swiglu_limits = twin.swiglu_limits;
+  p.scatter = twin.scatter;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.device);
   switch (arch) {
     case KernelArch::kSm90: {
@@ -87,7 +95,7 @@ bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
       TORCH_CHECK(forced_tactic < static_cast<int64_t>(table.size()), op, ": tactic must be below ", table.size(),
                   ", got ", forced_tactic);
       const Tactic& tactic = table[forced_tactic >= 0 ? forced_tactic : choose_tactic_sm90(family, s)];
-      const GroupedGemmLaunchFn fn = swiglu ? swiglu_twin_sm90(tactic) : tactic.launch;
+      const GroupedGemmLaunchFn fn = epilogue_twin_sm90(tactic, twin.twin);
       if (fn == nullptr) return false;
       p.raster_along_n = tactic.raster_along_n;
       p.swizzle = tactic.swizzle;
@@ -130,8 +138,29 @@ bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a
                                   bool pdl, int64_t tactic, at::Tensor& workspace, GroupedGemmScales scales) {
   TORCH_CHECK(s.n % 64 == 0 && out.size(0) == s.sum_m && out.size(1) == s.n / 2, op,
               ": the SwiGLU GEMM needs N % 64 == 0 and a [sum_m, N / 2] output (internal error)");
-  return launch_with(Op::kFwd, s, a, b, offs, out, workspace, op, pdl, /*zero_tail=*/true, tactic, scales,
-                     /*swiglu=*/true, limits);
+  TwinLaunch twin;
+  twin.twin = EpilogueTwin::kSwiGlu;
+  twin.swiglu_limits = limits;
+  return launch_with(Op::kFwd, s, a, b, offs, out, workspace, op, pdl, /*zero_tail=*/true, tactic, scales, twin);
+}
+
+bool run_grouped_gemm_scatter_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
+                                   const at::Tensor& offs, const at::Tensor& rows_to_routes,
+                                   const at::Tensor& route_scales, at::Tensor& out, const char* op, bool pdl,
+                                   int64_t tactic, at::Tensor& workspace) {
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == s.n && rows_to_routes.is_contiguous() && route_scales.is_contiguous() &&
+                  route_scales.numel() == rows_to_routes.numel() && out.size(0) > 0 &&
+                  route_scales.numel() % out.size(0) == 0,
+              op, ": the fused finalize needs out [num_tokens, N] and contiguous routes (internal error)");
+  TwinLaunch twin;
+  twin.twin = EpilogueTwin::kScatter;
+  twin.scatter.out = out.data_ptr();
+  twin.scatter.num_tokens = out.size(0);
+  twin.scatter.top_k = static_cast<int>(route_scales.numel() / out.size(0));
+  twin.scatter.rows_to_routes = rows_to_routes.data_ptr<int32_t>();
+  twin.scatter.route_scales = route_scales.data_ptr<float>();
+  // `out` of the GEMM itself is unused: the twin writes scatter.out; the checks see the token output.
+  return launch_with(Op::kFwd, s, a, b, offs, out, workspace, op, pdl, /*zero_tail=*/false, tactic, {}, twin);
 }
 
 TORCH_LIBRARY_IMPL(cake, CUDA, m) {

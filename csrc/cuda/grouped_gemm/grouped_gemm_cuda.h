@@ -33,4 +33,15 @@ bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a
                                   const at::Tensor& offs, at::Tensor& out, const float* limits, const char* op,
                                   bool pdl, int64_t tactic, at::Tensor& workspace, GroupedGemmScales scales = {});
 
+// The MoE GEMM2 with the fused finalize in one kernel: the scatter twin of the fwd tactic zeroes out
+// [num_tokens, N], then adds row p of the product, rounded to out's type and scaled by
+// route_scales[r] (rounded again), into out[r / top_k] with r = rows_to_routes[p] (int32 [num_tokens *
+// top_k], checked in range on the device) and top_k = route_scales.numel() / num_tokens; atomics, so
+// the k additions of a token come in any order. 16-bit operands. False, with nothing launched, when
+// the tactic has no twin (the caller runs GEMM2 and moe_finalize).
+bool run_grouped_gemm_scatter_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
+                                   const at::Tensor& offs, const at::Tensor& rows_to_routes,
+                                   const at::Tensor& route_scales, at::Tensor& out, const char* op, bool pdl,
+                                   int64_t tactic, at::Tensor& workspace);
+
 }  // namespace cake

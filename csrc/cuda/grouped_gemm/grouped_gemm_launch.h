@@ -43,6 +43,16 @@ struct GroupedGemmParams {
   // SwiGLU twins (fwd with the MoE GEMM1's SwiGLU in the epilogue; out is [sum_m, N / 2]): group
   // g's SwiGLUStep limit (device float32), or null for plain SwiGLU.
   const float* swiglu_limits = nullptr;
+  // Scatter twins (fwd with the MoE GEMM2's fused finalize): out is unused; scatter.out [num_tokens,
+  // N] is zeroed, then product row p, times route_scales[r], is added into scatter.out[r / top_k]
+  // with r = rows_to_routes[p] (in any order: atomics).
+  struct Scatter {
+    void* out = nullptr;
+    int64_t num_tokens = 0;
+    int top_k = 1;
+    const int32_t* rows_to_routes = nullptr;
+    const float* route_scales = nullptr;
+  } scatter;
 };
 
 using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);
@@ -51,7 +61,9 @@ namespace sm90 {
 // One function per kernel configuration (configs_sm90.inc), each in its own generated .cu file.
 #define CAKE_GG_CONFIG(name, ...) void grouped_gemm_##name(const GroupedGemmParams& p, cudaStream_t stream);
 #define CAKE_SWIGLU_CONFIG CAKE_GG_CONFIG
+#define CAKE_SCATTER_CONFIG CAKE_GG_CONFIG
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
 }  // namespace sm90

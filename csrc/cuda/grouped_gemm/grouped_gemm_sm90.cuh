@@ -23,6 +23,7 @@
 
 #include "cuda/common/pdl.cuh"
 #include "cuda/grouped_gemm/grouped_gemm_launch.h"
+#include "cuda/grouped_gemm/scatter_epilogue_sm90.cuh"
 #include "cuda/grouped_gemm/swiglu_epilogue_sm90.cuh"
 #include "grouped_gemm_checks.h"
 
@@ -35,13 +36,16 @@ using namespace cute;
 // of rows per expert) do not waste a 64- or 128-row tile on padding and the weight tile can be
 // long along its contiguous dimension.
 // kFwdSwiGlu is fwd with the MoE GEMM1's SwiGLU in the epilogue (swiglu_epilogue_sm90.cuh): out
-// is [sum_m, N / 2].
-enum class Kind { kFwd, kDgrad, kWgrad, kFwdSwapAB, kDgradSwapAB, kFwdSwiGlu };
+// is [sum_m, N / 2]. kFwdScatter is fwd with the MoE GEMM2's fused finalize in the epilogue
+// (scatter_epilogue_sm90.cuh): GroupedGemmParams::scatter.out [num_tokens, N] instead of out.
+enum class Kind { kFwd, kDgrad, kWgrad, kFwdSwapAB, kDgradSwapAB, kFwdSwiGlu, kFwdScatter };
 
 constexpr bool is_swap_ab(Kind k) { return k == Kind::kFwdSwapAB || k == Kind::kDgradSwapAB; }
 // The op a kind computes (fwd, dgrad or wgrad), whatever its operand order or epilogue.
 constexpr Kind op_of(Kind k) {
-  return k == Kind::kFwdSwapAB || k == Kind::kFwdSwiGlu ? Kind::kFwd : k == Kind::kDgradSwapAB ? Kind::kDgrad : k;
+  return k == Kind::kFwdSwapAB || k == Kind::kFwdSwiGlu || k == Kind::kFwdScatter ? Kind::kFwd
+         : k == Kind::kDgradSwapAB                                               ? Kind::kDgrad
+                                                                                 : k;
 }
 
 // Cooperative: both consumer warpgroups split one tile (good for large tiles). Pingpong: each
@@ -109,17 +113,19 @@ struct GroupedGemmConfig {
   static constexpr int kAlignOut = 128 / cutlass::sizeof_bits<ElementOut>::value;
 
   static constexpr bool kSwiGlu = kKind == Kind::kFwdSwiGlu;
+  static constexpr bool kScatter = kKind == Kind::kFwdScatter;
+  using StrideDPtr = cutlass::detail::TagToStrideC_t<LayoutD*>;
   using CollectiveEpilogue = std::conditional_t<
-      kSwiGlu,
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-          SwiGluEpilogueArray<ElementOut, cutlass::detail::TagToStrideC_t<LayoutD*>>>,
+      kSwiGlu, cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwiGluEpilogueArray<ElementOut, StrideDPtr>>,
+      std::conditional_t<kScatter,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<ScatterAddEpilogueArray<ElementOut, StrideDPtr>>,
       typename cutlass::epilogue::collective::CollectiveBuilder<
           cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
           cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
           void, LayoutD*, kAlignOut,  // no source C: D = A * B
           ElementOut, LayoutD*, kAlignOut, typename Schedule::EpilogueSchedule,
           cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator, void,
-                                                       ElementAccumulator>>::CollectiveOp>;
+                                                       ElementAccumulator>>::CollectiveOp>>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
@@ -232,8 +238,9 @@ dim3 prologue_grid(const GroupedGemmParams& p) {
   const int64_t groups = std::max<int64_t>(p.num_groups, 1);
   if constexpr (Config::op == Kind::kWgrad) return dim3(kZeroBlocksPerGroup, static_cast<unsigned>(groups));
   const int64_t argument_blocks = (groups + kPrologueThreads - 1) / kPrologueThreads;
-  return dim3(static_cast<unsigned>(p.zero_tail ? std::max<int64_t>(argument_blocks, 4 * int64_t(p.sm_count))
-                                                : argument_blocks));
+  const bool zeroes = p.zero_tail || Config::kScatter;
+  return dim3(static_cast<unsigned>(zeroes ? std::max<int64_t>(argument_blocks, 4 * int64_t(p.sm_count))
+                                           : argument_blocks));
 }
 
 template <class Config>
@@ -263,6 +270,9 @@ __global__ void __launch_bounds__(kPrologueThreads)
         (kKind == Kind::kFwd ? (Config::kSwiGlu ? p.n / 2 : p.n) : p.k) * int64_t(sizeof(ElementOut));
     if (p.zero_tail && last_end >= 0 && last_end < p.sum_m) {
       zero_bytes(static_cast<char*>(p.out), last_end * row_bytes, p.sum_m * row_bytes, thread, threads);
+    }
+    if constexpr (Config::kScatter) {  // the routes' rows are added into it
+      zero_bytes(static_cast<char*>(p.scatter.out), 0, p.scatter.num_tokens * row_bytes, thread, threads);
     }
   }
 }
@@ -315,6 +325,11 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
   if constexpr (Config::kSwiGlu) {
     args.epilogue = {arr.ptr_d, arr.stride_d, Config::kScaled ? arr.alpha : nullptr, p.swiglu_limits};
+  } else if constexpr (Config::kScatter) {
+    static_assert(!Config::kScaled, "the fused finalize takes 16-bit operands");
+    args.epilogue = {static_cast<typename Config::ElementOut*>(p.scatter.out), p.offs, p.indptr,
+                     p.scatter.rows_to_routes, p.scatter.route_scales, p.scatter.num_tokens * p.scatter.top_k,
+                     p.scatter.top_k};
   } else {
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
@@ -352,7 +367,8 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
 }  // namespace cake::sm90
 
 // Defines the launcher of one configuration (used by the generated per-configuration .cu files);
-// a SwiGLU twin (CAKE_SWIGLU_CONFIG) is the same configuration with kind kFwdSwiGlu.
+// a SwiGLU twin (CAKE_SWIGLU_CONFIG) or scatter twin (CAKE_SCATTER_CONFIG) is the same
+// configuration with kind kFwdSwiGlu or kFwdScatter.
 #define CAKE_GG_DEFINE_CONFIG(name, kind, in, out, tm, tn, tk, cm, cn, schedule)                  \
   void cake::sm90::grouped_gemm_##name(const cake::GroupedGemmParams& p, cudaStream_t stream) { \
     using Config = cake::sm90::GroupedGemmConfig<                                                \
@@ -361,3 +377,4 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
     cake::sm90::run_grouped_gemm<Config>(p, stream);                                             \
   }
 #define CAKE_SWIGLU_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG
+#define CAKE_SCATTER_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG

@@ -50,18 +50,23 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
   };
 #define CAKE_GG_CONFIG(name, ...) add(#name, &sm90::grouped_gemm_##name);
 #define CAKE_SWIGLU_CONFIG(name, ...)
+#define CAKE_SCATTER_CONFIG(name, ...)
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
   return tables;
 }
 
-const std::map<std::string, GroupedGemmLaunchFn>& swiglu_twins() {
+// Every twin configuration by name.
+const std::map<std::string, GroupedGemmLaunchFn>& twin_configs() {
   static const auto twins = [] {
     std::map<std::string, GroupedGemmLaunchFn> m;
 #define CAKE_GG_CONFIG(name, ...)
 #define CAKE_SWIGLU_CONFIG(name, ...) m[#name] = &sm90::grouped_gemm_##name;
+#define CAKE_SCATTER_CONFIG(name, ...) m[#name] = &sm90::grouped_gemm_##name;
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
     return m;
@@ -187,11 +192,13 @@ const std::vector<Tactic>& tactics_sm90(TacticFamily family) {
   return tables[static_cast<int>(family)];
 }
 
-GroupedGemmLaunchFn swiglu_twin_sm90(const Tactic& tactic) {
+GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin) {
   constexpr const char* kFwd = "fwd_";
+  if (twin == EpilogueTwin::kNone) return tactic.launch;
   if (tactic.config.rfind(kFwd, 0) != 0) return nullptr;
-  const auto it = swiglu_twins().find("swiglu_" + tactic.config.substr(std::strlen(kFwd)));
-  return it == swiglu_twins().end() ? nullptr : it->second;
+  const char* prefix = twin == EpilogueTwin::kSwiGlu ? "swiglu_" : "scatter_";
+  const auto it = twin_configs().find(prefix + tactic.config.substr(std::strlen(kFwd)));
+  return it == twin_configs().end() ? nullptr : it->second;
 }
 
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {

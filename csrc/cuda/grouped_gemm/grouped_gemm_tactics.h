@@ -28,9 +28,12 @@ TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::Scalar
 // "fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3" -> family; throws on anything else.
 TacticFamily tactic_family(const std::string& name);
 const std::vector<Tactic>& tactics_sm90(TacticFamily family);
-// The SwiGLU twin of a fwd tactic's configuration (the MoE GEMM1 with SwiGLU in the epilogue, run
-// in the tactic's tile order), or null where the configuration has none.
-GroupedGemmLaunchFn swiglu_twin_sm90(const Tactic& tactic);
+// Twins of fwd configurations (configs_sm90.inc): the same tile with the MoE GEMM1's SwiGLU, or the
+// MoE GEMM2's fused finalize, as its epilogue.
+enum class EpilogueTwin { kNone, kSwiGlu, kScatter };
+// The twin of a fwd tactic's configuration (run in the tactic's tile order), or null where the
+// configuration has none.
+GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin);
 // The forced tactic of the family (set_tactic_override), else the autotuned tactic of the shape
 // bucket (set_tuned_tactic), else the shape heuristic's.
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s);

@@ -453,6 +453,37 @@ at::Tensor moe_finalize_cuda(const at::Tensor& rows, const at::Tensor& expanded_
   return out;
 }
 
+void moe_gemm2_finalize_out_cuda(const at::Tensor& intermediate_in, const at::Tensor& w2,
+                                 const at::Tensor& expert_offsets, const at::Tensor& permuted_to_expanded_in,
+                                 const at::Tensor& expanded_to_permuted, const at::Tensor& scales_in, at::Tensor out,
+                                 bool enable_pdl, int64_t tactic) {
+  const char* op = "cake::moe_gemm2_finalize_out";
+  const auto s = check_moe_gemm2_finalize_out(intermediate_in, w2, expert_offsets, permuted_to_expanded_in,
+                                              expanded_to_permuted, scales_in, out, op);
+  check_gemm_dtype(intermediate_in, op);
+  c10::cuda::CUDAGuard guard(intermediate_in.device());
+  select_kernel_arch(intermediate_in.get_device(), op);
+  const auto family = tactic_family(GroupedGemmOp::kFwd, w2.scalar_type(), out.scalar_type());
+  const bool decode = use_decode_kernel(tactic, s.gemm.sum_m, s.gemm.n, s.gemm.k * w2.element_size(),
+                                        s.gemm.num_groups, family, op);
+  if (!decode && s.finalize.num_tokens > 0) {
+    const auto intermediate = intermediate_in.contiguous();
+    const auto permuted_to_expanded = permuted_to_expanded_in.contiguous();
+    const auto scales = scales_in.contiguous();
+    auto workspace = at::empty({grouped_gemm_workspace_bytes(s.gemm.num_groups)}, out.options().dtype(at::kByte));
+    if (run_grouped_gemm_scatter_cuda(s.gemm, intermediate, w2, expert_offsets, permuted_to_expanded, scales, out, op,
+                                      enable_pdl, tactic, workspace)) {
+      return;
+    }
+  }
+  // Decode sizes (the decode kernel's GEMM2) and tiles without a scatter twin: GEMM2, then the
+  // fixed-order combine (the fused finalize's contract allows either order).
+  auto rows = at::empty({s.gemm.sum_m, s.gemm.n}, out.options());
+  gemm2_into(intermediate_in, w2, expert_offsets, s.gemm, rows, nullptr, enable_pdl, tactic, c10::nullopt,
+             c10::nullopt, op);
+  finalize_into(rows, expanded_to_permuted, scales_in, s.finalize, out, enable_pdl, op);
+}
+
 void moe_finalize_out_cuda(const at::Tensor& rows, const at::Tensor& expanded_to_permuted, const at::Tensor& scales,
                            at::Tensor out, bool enable_pdl) {
   const char* op = "cake::moe_finalize_out";
@@ -474,6 +505,7 @@ TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   m.impl("quantize_fp8", &quantize_fp8_cuda);
   m.impl("quantize_fp8_out", &quantize_fp8_out_cuda);
   m.impl("moe_finalize", &moe_finalize_cuda);
+  m.impl("moe_gemm2_finalize_out", &moe_gemm2_finalize_out_cuda);
   m.impl("moe_finalize_out", &moe_finalize_out_cuda);
 }
 

@@ -10,11 +10,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cute/tensor.hpp>
-#include <cutlass/cutlass.h>
-#include <cutlass/epilogue/collective/detail.hpp>
-#include <cutlass/epilogue/dispatch_policy.hpp>
 #include <cutlass/numeric_conversion.h>
+
+#include "cuda/grouped_gemm/register_epilogue_sm90.cuh"
 
 namespace cake::sm90 {
 
@@ -40,60 +38,24 @@ struct PackedAdd<cutlass::half_t> {
 };
 
 template <class ElementD_, class StrideD_>
-class ScatterAddEpilogueArray {
- public:
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementOutput = ElementD_;
-  using ElementD = ElementD_;
-  using ElementC = void;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using StrideD = StrideD_;
-  using StrideC = StrideD_;
-  using InternalStrideD = cute::remove_pointer_t<StrideD>;
-  using InternalStrideC = InternalStrideD;
-  using GmemElementC = ElementD;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
+class ScatterAddEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_> {
+  using Base = RegisterEpilogueArray<ElementD_, StrideD_>;
 
-  struct ThreadEpilogueOp {};  // GemmUniversalAdapter names it; the combine is operator() below
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
+ public:
+  using typename Base::ElementD;
 
   struct Arguments {
-    ElementD* out = nullptr;                 // [num_tokens, N], zeroed before the GEMM
-    const int32_t* offs = nullptr;           // the grouped GEMM's offsets (group g's first row)
-    bool indptr = false;                     // offs holds E + 1 bounds with a leading zero
+    ElementD* out = nullptr;                  // [num_tokens, N], zeroed before the GEMM
+    const int32_t* offs = nullptr;            // the grouped GEMM's offsets (group g's first row)
+    bool indptr = false;                      // offs holds E + 1 bounds with a leading zero
     const int32_t* rows_to_routes = nullptr;  // permuted row -> expanded route index
-    const float* route_scales = nullptr;     // [num_tokens * top_k] router weights
-    int64_t routes = 0;                      // num_tokens * top_k
+    const float* route_scales = nullptr;      // [num_tokens * top_k] router weights
+    int64_t routes = 0;                       // num_tokens * top_k
     int top_k = 1;
   };
   using Params = Arguments;
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) {
-    return true;
-  }
-
   CUTLASS_HOST_DEVICE ScatterAddEpilogueArray(Params const& params) : params_(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -101,22 +63,14 @@ class ScatterAddEpilogueArray {
                                  BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    static_assert(is_static<FrgLayout>::value, "the accumulator layout must be static");
-    // A wgmma accumulator fragment: ((2 adjacent columns, 2 row halves, column groups), MMA_M, MMA_N)
-    // (swiglu_epilogue_sm90.cuh has the host check).
-    static_assert(decltype(size<0, 0>(FrgLayout{}))::value == 2 && decltype(size<0, 1>(FrgLayout{}))::value == 2,
-                  "unexpected wgmma accumulator layout");
     constexpr int kGroups = decltype(size<0, 2>(FrgLayout{}))::value;
-
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+    const int l_coord = get<3>(blk_coord_mnkl);
     const int64_t first_row =
         params_.indptr ? params_.offs[l_coord] : (l_coord == 0 ? 0 : params_.offs[l_coord - 1]);
-
-    Tensor coords = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(blk_shape_MNK),
-                               make_coord(m_coord, n_coord));
-    Tensor thread_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
+    const auto thread_coords =
+        Base::template accumulator_coords<FrgLayout>(M, N, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
 
     cutlass::NumericConverter<ElementD, float, cutlass::FloatRoundStyle::round_to_nearest> to_out;
     CUTLASS_PRAGMA_UNROLL

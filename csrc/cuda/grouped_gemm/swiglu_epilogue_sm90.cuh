@@ -11,69 +11,31 @@
 // swiglu_value in float32 and one more rounding, as the SwiGLU kernel does.
 #pragma once
 
-#include <cute/tensor.hpp>
-#include <cutlass/cutlass.h>
-#include <cutlass/epilogue/collective/detail.hpp>
-#include <cutlass/epilogue/dispatch_policy.hpp>
 #include <cutlass/numeric_conversion.h>
 
+#include "cuda/grouped_gemm/register_epilogue_sm90.cuh"
 #include "cuda/moe/swiglu.cuh"
 
 namespace cake::sm90 {
 
 template <class ElementD_, class StrideD_>
-class SwiGluEpilogueArray {
- public:
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-  using DispatchPolicy = EpilogueSchedule;
-  using ElementOutput = ElementD_;
-  using ElementD = ElementD_;
-  using ElementC = void;
-  using ElementAccumulator = float;
-  using ElementCompute = float;
-  using ElementScalar = float;
-  using StrideD = StrideD_;  // a pointer: one [M, N / 2, 1] stride per group
-  using StrideC = StrideD_;
-  using InternalStrideD = cute::remove_pointer_t<StrideD>;
-  using InternalStrideC = InternalStrideD;
-  using GmemElementC = ElementD;
-  using GmemTiledCopyC = void;
-  using GmemTiledCopyD = void;
-  static_assert(cute::rank(InternalStrideD{}) == 3, "StrideD must be rank-3: [M, N, L]");
+class SwiGluEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_> {
+  using Base = RegisterEpilogueArray<ElementD_, StrideD_>;
 
-  struct ThreadEpilogueOp {};  // GemmUniversalAdapter names it; the activation is operator() below
-  struct SharedStorage {};
-  using TensorMapStorage = SharedStorage;
+ public:
+  using typename Base::ElementD;
+  using typename Base::InternalStrideD;
+  using typename Base::StrideD;
 
   struct Arguments {
-    ElementD** ptr_D = nullptr;    // group g's output [M, N / 2]
+    ElementD** ptr_D = nullptr;     // group g's output [M, N / 2]
     StrideD dD{};
-    const float* alpha = nullptr;  // group g's scale (fp8), or null: 1
+    const float* alpha = nullptr;   // group g's scale (fp8), or null: 1
     const float* limits = nullptr;  // group g's SwiGLUStep limit, or null: plain SwiGLU
   };
   using Params = Arguments;
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) {
-    return true;
-  }
-
   CUTLASS_HOST_DEVICE SwiGluEpilogueArray(Params const& params) : params_(params) {}
-
-  CUTLASS_DEVICE bool is_source_needed() { return false; }
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
             class TiledMma, class ResidueMNK>
@@ -81,31 +43,22 @@ class SwiGluEpilogueArray {
                                  BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    static_assert(is_static<BlockShapeMNK>::value, "the tile shape must be static");
     static_assert(size<1>(BlockShapeMNK{}) % 64 == 0, "SwiGLU pairs columns 32 apart within 64-column chunks");
-    static_assert(is_static<FrgLayout>::value, "the accumulator layout must be static");
-    // A wgmma accumulator fragment: ((2 columns, 2 row halves, column groups of 8), MMA_M, MMA_N).
-    // Checked on the host for the 128x128 pingpong, 128x256 cooperative and 64x128 tiles: group
-    // v + 4 is 32 columns right of group v (benchmarks/NOTES.md, session 9).
+    // Column group v + 4 of a fragment is 32 columns right of group v.
     constexpr int kGroups = decltype(size<0, 2>(FrgLayout{}))::value;
-    static_assert(decltype(size<0, 0>(FrgLayout{}))::value == 2 && decltype(size<0, 1>(FrgLayout{}))::value == 2 &&
-                      kGroups % 8 == 0,
-                  "unexpected wgmma accumulator layout");
+    static_assert(kGroups % 8 == 0, "SwiGLU pairs column groups v and v + 4 of each 8");
 
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+    const int l_coord = get<3>(blk_coord_mnkl);
     const float alpha = params_.alpha ? params_.alpha[l_coord] : 1.0f;
     const bool step = params_.limits != nullptr;
     const float limit = step ? params_.limits[l_coord] : 0.0f;
     const InternalStrideD stride_d = params_.dD[l_coord];
     const int64_t row_pitch = get<0>(stride_d);  // elements between rows of the [M, N / 2] output
     ElementD* out = params_.ptr_D[l_coord];
-
-    // The (m, n) coordinates of this thread's accumulators, in the group's [M, N] product.
-    Tensor coords = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(blk_shape_MNK),
-                               make_coord(m_coord, n_coord));
-    Tensor thread_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
+    const auto thread_coords =
+        Base::template accumulator_coords<FrgLayout>(M, N, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
 
     cutlass::NumericConverter<ElementD, float, cutlass::FloatRoundStyle::round_to_nearest> to_out;
     auto rounded = [&](float v) { return static_cast<float>(to_out(alpha * v)); };

@@ -1,0 +1,72 @@
+// The part of a CUTLASS collective epilogue that the MoE epilogues (swiglu_epilogue_sm90.cuh,
+// scatter_epilogue_sm90.cuh) share: what the SM90 ptr-array kernels and GemmUniversalAdapter ask
+// of an epilogue that works from registers (no shared memory, no workspace; wrapped in CUTLASS's
+// Sm90TmaWarpSpecializedAdapter), and the coordinates of a thread's accumulators.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/detail.hpp>
+#include <cutlass/epilogue/dispatch_policy.hpp>
+
+namespace cake::sm90 {
+
+template <class ElementD_, class StrideD_>
+struct RegisterEpilogueArray {
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementOutput = ElementD_;
+  using ElementD = ElementD_;
+  using ElementC = void;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using StrideD = StrideD_;  // a pointer: one [M, N, 1] stride per group
+  using StrideC = StrideD_;
+  using InternalStrideD = cute::remove_pointer_t<StrideD>;
+  using InternalStrideC = InternalStrideD;
+  using GmemElementC = ElementD;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct ThreadEpilogueOp {};  // GemmUniversalAdapter names it; the derived operator() does the work
+  struct SharedStorage {};
+  using TensorMapStorage = SharedStorage;
+
+  template <class ProblemShape, class Arguments>
+  static constexpr Arguments to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape, class Arguments>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+    return 0;
+  }
+  template <class ProblemShape, class Arguments>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape, class Arguments>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  // The (m, n) coordinates, in the group's [M, N] product, of this thread's accumulators: a wgmma
+  // fragment ((2 adjacent columns, 2 row halves 8 apart, column groups of 8), MMA_M, MMA_N),
+  // checked on the host for the 128x128 pingpong, 128x256 cooperative and 64x128 tiles
+  // (benchmarks/NOTES.md, session 9).
+  template <class FrgLayout, class BlockShapeMNK, class BlockCoordMNKL, class TiledMma>
+  static CUTLASS_DEVICE auto accumulator_coords(int M, int N, BlockShapeMNK blk_shape_MNK,
+                                                BlockCoordMNKL blk_coord_mnkl, TiledMma tiled_mma, int thread_idx) {
+    using namespace cute;
+    static_assert(is_static<BlockShapeMNK>::value, "the tile shape must be static");
+    static_assert(is_static<FrgLayout>::value, "the accumulator layout must be static");
+    static_assert(decltype(size<0, 0>(FrgLayout{}))::value == 2 && decltype(size<0, 1>(FrgLayout{}))::value == 2,
+                  "unexpected wgmma accumulator layout");
+    Tensor coords = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(blk_shape_MNK),
+                               make_coord(get<0>(blk_coord_mnkl), get<1>(blk_coord_mnkl)));
+    return tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
+  }
+};
+
+}  // namespace cake::sm90

@@ -635,13 +635,18 @@ def test_grouped_gemm_kernels_are_hopper_wgmma():
     assert proc.returncode == 0, proc.stderr
     functions = proc.stdout.split("Function : ")[1:]
     gemms = [f for f in functions if "GemmUniversal" in f.split("\n")[0]]
-    # One kernel per configuration; each configuration appears as several tactics (tile orders).
+    # One kernel per configuration; each configuration appears as several tactics (tile orders). The
+    # MoE GEMMs' epilogue twins of fwd configurations (SwiGLU, fused finalize) are kernels of their own.
+    def configs(tactics):
+        return {name.split("_raster")[0].split("_swz")[0] for name in tactics}
+
     families = ("fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3")
-    expected = len({name.split("_raster")[0].split("_swz")[0] for f in families
-                    for name in cake_ops._C.grouped_gemm_tactics(f)})
+    twins = {f: sum(len(configs(cake_ops._C.grouped_gemm_epilogue_twins(f, kind))) for kind in ("swiglu", "scatter"))
+             for f in ("fwd", "fwd_f16", "fwd_e4m3")}
+    expected = len(configs(name for f in families for name in cake_ops._C.grouped_gemm_tactics(f))) + sum(twins.values())
     assert len(gemms) == expected, f"expected {expected} grouped GEMM kernels, found {len(gemms)}"
     fp8 = [body for body in gemms if "float_e4m3" in body.split("\n")[0]]
-    assert len(fp8) == len(cake_ops._C.grouped_gemm_tactics("fwd_e4m3")) // 4
+    assert len(fp8) == len(cake_ops._C.grouped_gemm_tactics("fwd_e4m3")) // 4 + twins["fwd_e4m3"]
     for body in gemms:
         instruction = "QGMMA" if body in fp8 else "HGMMA"
         assert instruction in body, f"no {instruction} in {body.splitlines()[0][:120]}"

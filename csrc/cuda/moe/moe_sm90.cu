@@ -35,6 +35,9 @@ namespace {
 constexpr int kSortThreads = 1024;
 constexpr int kSortMaxWarps = kSortThreads / 32;
 constexpr int64_t kSortSmemBudget = 200 * 1024;
+// The dynamic shared memory the sort kernels (and the routing one that sorts) opt in to: the
+// budget sort_smem_bytes stays within, and some slack.
+constexpr int kSortSmemOptIn = static_cast<int>(kSortSmemBudget) + 1024;
 // kSortUnroll rounds of 32 routes per step: their loads are in flight together.
 constexpr int kSortUnroll = 4;
 constexpr int kSortStep = 32 * kSortUnroll;
@@ -716,7 +719,7 @@ void configure_sort_kernels() {
   for (const void* kernel :
        {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel, (const void*)moe_sort_scan_kernel,
         (const void*)moe_sort_place_kernel}) {
-    allow_dynamic_smem(kernel, static_cast<int>(kSortSmemBudget + 1024));
+    allow_dynamic_smem(kernel, kSortSmemOptIn);
   }
 }
 
@@ -843,7 +846,7 @@ void moe_route_and_sort(const void* logits, FloatType type, int64_t tokens, int 
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(typed_logits)>>;
     with_experts_per_lane<kMoeRouteAndSortMaxExperts / 32>(a.num_experts, [&](auto per_lane) {
       const auto kernel = moe_route_and_sort_one_block_kernel<decltype(per_lane)::value, T>;
-      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(kSortSmemBudget + 1024));
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSortSmemOptIn);
       launch_kernel(kernel, dim3(1), block, smem, stream, pdl, typed_logits, tokens, top_k, ids, weights, a, warps);
     });
   });

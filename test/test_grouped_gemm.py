@@ -340,8 +340,10 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
     ("fwd", 128, 128, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),       # decode
     ("dgrad", 128, 1024, 1536, 2048, "dgrad_bf16_ping_64x256x64_c1x1"),
     ("wgrad", 128, 128, 1536, 2048, "wgrad_bf16_coop_128x256x64_c2x1"),
-    ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_ping_128x128x64_c1x1_swz4"),        # Qwen3 experts
-    ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_ping_128x128x64_c1x1_swz4"),     # Mixtral
+    ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2"),             # Qwen3 experts
+    ("fwd", 128, 65536, 2048, 768, "fwd_bf16_coop_128x256x64_c1x2"),
+    ("dgrad", 128, 65536, 2048, 768, "dgrad_bf16_coop_128x256x64_c2x1"),          # 3 N (= K) tiles
+    ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_coop_128x256x64_c1x2"),          # Mixtral
     ("fwd", 4, 112576, 4096, 6144, "fwd_bf16_coop_128x256x64_c1x2_rasterN_swz4"),  # large groups
     ("fwd", 4, 112576, 4352, 6144, "fwd_bf16_coop_128x256x64_c2x1"),              # 17 N tiles
     ("fwd", 4, 112576, 6144, 2048, "fwd_bf16_ping_128x128x64_c1x1_rasterN"),      # w[e] fits in L2

@@ -87,7 +87,7 @@ int find(TacticFamily family, const std::string& name) {
 struct HeuristicChoices {
   int few_rows;           // a few rows per group: weight-bandwidth bound
   int few_rows_narrow;    // the same with half the weight rows per tile, for fuller waves; -1: none
-  int medium_groups;      // up to 2048 rows per group (many experts, or Mixtral-sized); -1: none
+  int medium_groups;      // up to 2048 rows per group, N tiles pair up (else large_groups_odd); -1: none
   int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
   int large_groups_odd;   // large groups, an odd number of 256-wide N tiles
   int large_groups_weight_in_l2;  // fwd: large groups, one expert's weight fits in L2; -1: none
@@ -111,7 +111,7 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
           // (sweep_moe_gemm.py; float16 has no such configuration).
           c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"),
                   fam == TacticFamily::kFwdBf16 ? named("swapab_ping_64x16x256_c1x1") : -1,
-                  named("ping_128x128x" + k64 + "_c1x1_swz4"), coop_1x2, coop_2x1,
+                  named("coop_128x256x" + k64 + "_c1x2"), coop_1x2, coop_2x1,
                   named("ping_128x128x" + k64 + "_c1x1_rasterN")};
           break;
         case TacticFamily::kFwdE4m3:
@@ -123,7 +123,7 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
                   coop_2x1, -1};
           break;
         case TacticFamily::kDgradBf16:
-          c[f] = {named("ping_64x256x64_c1x1"), -1, named("ping_128x128x64_c1x1_swz4"), coop_1x2, coop_2x1, -1};
+          c[f] = {named("ping_64x256x64_c1x1"), -1, named("coop_128x256x64_c1x2"), coop_1x2, coop_2x1, -1};
           break;
         default:  // wgrad: the groups' rows are the reduction; the output is E dense N x K tiles
           c[f] = {coop_2x1, -1, -1, coop_1x2, coop_2x1, -1};
@@ -211,19 +211,19 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
       if (it != g_tuned.end()) return it->second;
     }
   }
-  // Heuristic v2, from the H200 sweep of every tactic measured in rotation (benchmarks/NOTES.md,
-  // results/grouped_gemm_h200_sweep_rotation.json). Decode-sized groups stream the weights (swap-AB
-  // 128x32 for fwd, 64x256 pingpong for dgrad; wgrad writes E full dw tiles either way). Up to
-  // 2048 rows per group (Qwen3's 128 experts, Mixtral's 8), 128x128 pingpong overlaps each
-  // tile's epilogue with the other warpgroup's mainloop: 4 to 14% over 128x256 cooperative.
-  // Larger groups: 128x256 cooperative with a 1x2 cluster (x tiles multicast to two weight
-  // tiles), along N in swizzles of 4: 4 to 12% over the 2x1 cluster, when the N tiles pair up.
+  // Heuristic v3 (benchmarks/NOTES.md, session 10). Decode-sized groups stream the weights (swap-AB
+  // 128x32 for fwd, 64x256 pingpong for dgrad; wgrad writes E full dw tiles either way). From 33
+  // rows per group up, 128x256 cooperative: with a 1x2 cluster (x tiles multicast to two weight
+  // tiles) when the N tiles pair up, else 2x1. v2 took 128x128 pingpong up to 2048 rows per group
+  // from a sweep of balanced, tile-multiple groups, where it leads by 0-4%; on routed groups (random
+  // counts, as a router makes them) it loses 15-25% to the cooperative tile (Qwen3 shapes, fwd and
+  // dgrad, results/sweep_moe_gemm_h200_large_t.txt and tiles_balanced_vs_routed_h200.txt).
+  // Large groups keep v2's order along N in swizzles of 4 (4 to 12% over the 2x1 cluster, balanced).
   const HeuristicChoices& c = heuristic_choices(family);
   const int64_t rows_per_group = s.num_groups > 0 ? s.sum_m / s.num_groups : s.sum_m;
   if (rows_per_group <= 32) {
     return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
   }
-  if (rows_per_group <= 2048 && c.medium_groups >= 0) return c.medium_groups;
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an
   // H100's L2): sweeping along N keeps the expert's weight in L2 and re-reads x tiles from it,
   // 128x128 pingpong +4 to +10% over the 1x2 cluster (the E=4 and E=8 "down" shapes).
@@ -238,6 +238,7 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
       family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16 || family == TacticFamily::kFwdE4m3;
   const int64_t n_extent = fwd ? s.n : s.k;
   const bool n_tiles_pair = ((n_extent + 255) / 256) % 2 == 0;
+  if (rows_per_group <= 2048 && c.medium_groups >= 0) return n_tiles_pair ? c.medium_groups : c.large_groups_odd;
   return n_tiles_pair ? c.large_groups : c.large_groups_odd;
 }
 

@@ -34,6 +34,22 @@ BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s) {
 }
 
 std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
+  // Every epilogue twin configuration by name: fwd_<tile> has swiglu_<tile> and scatter_<tile>.
+  std::map<std::string, GroupedGemmLaunchFn> twins;
+#define CAKE_GG_CONFIG(name, ...)
+#define CAKE_SWIGLU_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
+#define CAKE_SCATTER_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
+#include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_SCATTER_CONFIG
+#undef CAKE_SWIGLU_CONFIG
+#undef CAKE_GG_CONFIG
+  auto twin = [&](const char* name, const char* prefix) -> GroupedGemmLaunchFn {
+    constexpr const char* kFwd = "fwd_";
+    if (std::strncmp(name, kFwd, std::strlen(kFwd)) != 0) return nullptr;
+    const auto it = twins.find(prefix + std::string(name + std::strlen(kFwd)));
+    return it == twins.end() ? nullptr : it->second;
+  };
+
   std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> tables;
   auto add = [&](const char* name, GroupedGemmLaunchFn fn) {
     int f = 0;
@@ -43,10 +59,11 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
     // Each configuration with the default tile order first (what the heuristic names), then
     // along N, and both with 4-tile swizzles: the autotuner's extra choices.
     auto& table = tables[static_cast<int>(family)];
-    table.push_back({name, name, fn, false, 1});
-    table.push_back({std::string(name) + "_rasterN", name, fn, true, 1});
-    table.push_back({std::string(name) + "_swz4", name, fn, false, 4});
-    table.push_back({std::string(name) + "_rasterN_swz4", name, fn, true, 4});
+    const GroupedGemmLaunchFn swiglu = twin(name, "swiglu_"), scatter = twin(name, "scatter_");
+    table.push_back({name, fn, false, 1, swiglu, scatter});
+    table.push_back({std::string(name) + "_rasterN", fn, true, 1, swiglu, scatter});
+    table.push_back({std::string(name) + "_swz4", fn, false, 4, swiglu, scatter});
+    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4, swiglu, scatter});
   };
 #define CAKE_GG_CONFIG(name, ...) add(#name, &sm90::grouped_gemm_##name);
 #define CAKE_SWIGLU_CONFIG(name, ...)
@@ -56,22 +73,6 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
 #undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
   return tables;
-}
-
-// Every twin configuration by name.
-const std::map<std::string, GroupedGemmLaunchFn>& twin_configs() {
-  static const auto twins = [] {
-    std::map<std::string, GroupedGemmLaunchFn> m;
-#define CAKE_GG_CONFIG(name, ...)
-#define CAKE_SWIGLU_CONFIG(name, ...) m[#name] = &sm90::grouped_gemm_##name;
-#define CAKE_SCATTER_CONFIG(name, ...) m[#name] = &sm90::grouped_gemm_##name;
-#include "cuda/grouped_gemm/configs_sm90.inc"
-#undef CAKE_SCATTER_CONFIG
-#undef CAKE_SWIGLU_CONFIG
-#undef CAKE_GG_CONFIG
-    return m;
-  }();
-  return twins;
 }
 
 // The tactic named exactly `name` (a configuration and a tile order).
@@ -193,12 +194,14 @@ const std::vector<Tactic>& tactics_sm90(TacticFamily family) {
 }
 
 GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin) {
-  constexpr const char* kFwd = "fwd_";
-  if (twin == EpilogueTwin::kNone) return tactic.launch;
-  if (tactic.config.rfind(kFwd, 0) != 0) return nullptr;
-  const char* prefix = twin == EpilogueTwin::kSwiGlu ? "swiglu_" : "scatter_";
-  const auto it = twin_configs().find(prefix + tactic.config.substr(std::strlen(kFwd)));
-  return it == twin_configs().end() ? nullptr : it->second;
+  switch (twin) {
+    case EpilogueTwin::kSwiGlu:
+      return tactic.swiglu_twin;
+    case EpilogueTwin::kScatter:
+      return tactic.scatter_twin;
+    default:
+      return tactic.launch;
+  }
 }
 
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {

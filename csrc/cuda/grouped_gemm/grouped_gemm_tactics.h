@@ -18,10 +18,13 @@ enum class TacticFamily { kFwdBf16, kDgradBf16, kWgradBf16, kWgradF32, kFwdF16, 
 // A kernel configuration and the scheduler's tile order (a run-time choice, no extra kernel).
 struct Tactic {
   std::string name;
-  std::string config;  // the kernel configuration's name (configs_sm90.inc)
   GroupedGemmLaunchFn launch;
   bool raster_along_n = false;
   int swizzle = 1;
+  // The configuration's epilogue twins (configs_sm90.inc; fwd tiles only), found once when the
+  // tables are built; null where it has none.
+  GroupedGemmLaunchFn swiglu_twin = nullptr;
+  GroupedGemmLaunchFn scatter_twin = nullptr;
 };
 
 TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::ScalarType out_dtype);

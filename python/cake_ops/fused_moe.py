@@ -3,8 +3,9 @@
 ``fused_moe_bf16`` has the specification's signature, semantics, defaults and shape rules. It is
 built from the ``torch.ops.cake`` MoE ops: ``moe_sort`` (counts, offsets, permutation, tiles, on
 the device) -> ``moe_gemm1_swiglu`` -> ``moe_gemm2`` -> ``moe_finalize`` (router-scaled combine in
-float32, fixed order), or with the fused finalize ``moe_gemm2_finalize_out`` for the last two. No value leaves the device, so a call never synchronises and can be
-captured in a CUDA graph or traced by ``torch.compile(fullgraph=True)``.
+float32, fixed order), or with the fused finalize ``moe_gemm2_finalize_out`` for the last two.
+No value leaves the device, so a call never synchronises and can be captured in a CUDA graph or
+traced by ``torch.compile(fullgraph=True)``.
 
 On the GPU (SM90) each stage is a CUDA kernel: a one-block stable token sort, a row gather, the
 grouped GEMM (bf16 or fp16) with the SwiGLU, the grouped GEMM again and the combine; with

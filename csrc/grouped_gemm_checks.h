@@ -32,6 +32,9 @@ struct GroupedGemmShape {
   int64_t n = 0;
   int64_t k = 0;
   bool indptr = false;     // offs has E + 1 entries, the first a zero
+  // The rows expected to fall in the groups (the MoE GEMMs' expected_routes: an expert-parallel
+  // shard's share of sum_m), for the tactic choice only; -1: all sum_m.
+  int64_t expected_rows = -1;
 };
 
 // allow_e4m3: float8_e4m3fn x and w too, and bfloat16 x with float8_e4m3fn w (the MoE GEMMs'

@@ -71,11 +71,14 @@ TORCH_LIBRARY(cake, m) {
   // rounded to bfloat16, the output dtype. GEMM1 also takes bfloat16 x with float8_e4m3fn w1: x
   // is quantized per tensor on its way in (the gather, or the decode kernel's staging), with
   // x_scale (static) or without (dynamic, max|x| / 448), bit for bit quantize_fp8(x, x_scale)
-  // then the fp8 path.
+  // then the fp8 path. expected_routes (all the MoE GEMMs; -1: every row): how many of the
+  // T * top_k rows the caller expects to be routed to this shard's experts (an expert-parallel
+  // shard gets about T * top_k * E_local / E); the automatic tactic choice sizes the groups by it.
+  // A hint only: results never depend on it.
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
-      "Tensor? w1_scale=None) -> Tensor");
+      "Tensor? w1_scale=None, int expected_routes=-1) -> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. bfloat16 intermediate with float8_e4m3fn w2: quantized
   // per tensor on the way in (a_scale static, or dynamic), bit for bit quantize_fp8 then the fp8
@@ -84,7 +87,7 @@ TORCH_LIBRARY(cake, m) {
   // reads them; with expert parallelism they are most of the tensor).
   m.def(
       "moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True, int tactic=-1, "
-      "Tensor? a_scale=None, Tensor? w2_scale=None) -> Tensor");
+      "Tensor? a_scale=None, Tensor? w2_scale=None, int expected_routes=-1) -> Tensor");
   // Per-tensor fp8 quantization: out = e4m3(clamp(x / scale, -448, 448)), rounded to nearest even,
   // in float32. scale None: a dynamic scale, max(amax(|x|), 1e-12) / 448, computed on the device.
   // Returns (out, the scale used).
@@ -108,12 +111,13 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_gemm1_swiglu_out(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, int top_k, "
       "Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, "
-      "Tensor? x_scale=None, Tensor? w1_scale=None) -> ()");
+      "Tensor? x_scale=None, Tensor? w1_scale=None, int expected_routes=-1) -> ()");
   // moe_gemm2 into a caller-owned out [T * top_k, H] with a workspace of
   // grouped_gemm_workspace_size(E_local) bytes (empty: allocated by the op).
   m.def(
       "moe_gemm2_out(Tensor intermediate, Tensor w2, Tensor expert_offsets, Tensor(a!) out, Tensor(b!) workspace, "
-      "bool enable_pdl=True, int tactic=-1, Tensor? a_scale=None, Tensor? w2_scale=None) -> ()");
+      "bool enable_pdl=True, int tactic=-1, Tensor? a_scale=None, Tensor? w2_scale=None, "
+      "int expected_routes=-1) -> ()");
   // GEMM2 with the fused finalize (fused_moe_bf16's default): out [T, H] (the intermediate's dtype,
   // bfloat16 or float16; contents overwritten) = sum over the kept routes of token t of
   // round(scales[t, j] * round(row)), row = GEMM2's product row of route (t, j), each addition
@@ -123,7 +127,7 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_gemm2_finalize_out(Tensor intermediate, Tensor w2, Tensor expert_offsets, Tensor permuted_to_expanded, "
       "Tensor expanded_to_permuted, Tensor token_final_scales, Tensor(a!) out, bool enable_pdl=True, "
-      "int tactic=-1) -> ()");
+      "int tactic=-1, int expected_routes=-1) -> ()");
   // The same into a caller-owned [T, H] tensor of permuted_rows' dtype (fused_moe_bf16's moe_output).
   m.def(
       "moe_finalize_out(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
@@ -201,13 +205,14 @@ PyObject* set_grouped_gemm_tactic(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// The tactic a launch of this problem would run now (override, tuned or heuristic).
+// The tactic a launch of this problem would run now (override, tuned or heuristic); expected_rows:
+// the MoE GEMMs' expected_routes hint (-1: sum_m).
 PyObject* grouped_gemm_tactic_for(PyObject*, PyObject* args) {
   const char* family = nullptr;
-  long long e = 0, sum_m = 0, n = 0, k = 0;
-  if (!PyArg_ParseTuple(args, "sLLLL", &family, &e, &sum_m, &n, &k)) return nullptr;
+  long long e = 0, sum_m = 0, n = 0, k = 0, expected_rows = -1;
+  if (!PyArg_ParseTuple(args, "sLLLL|L", &family, &e, &sum_m, &n, &k, &expected_rows)) return nullptr;
   try {
-    cake::GroupedGemmShape s{e, sum_m, n, k, false};
+    cake::GroupedGemmShape s{e, sum_m, n, k, false, expected_rows};
     return PyLong_FromLong(cake::choose_tactic_sm90(cake::tactic_family(family), s));
   } catch (const c10::Error& err) {
     PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
@@ -275,7 +280,7 @@ PyMethodDef methods[] = {
     {"set_grouped_gemm_tactic", set_grouped_gemm_tactic, METH_VARARGS,
      "set_grouped_gemm_tactic(family, index): force a configuration; -1 restores the heuristic."},
     {"grouped_gemm_tactic_for", grouped_gemm_tactic_for, METH_VARARGS,
-     "grouped_gemm_tactic_for(family, E, sum_m, N, K): the tactic such a launch runs now."},
+     "grouped_gemm_tactic_for(family, E, sum_m, N, K, expected_rows=-1): the tactic such a launch runs now."},
     {"set_grouped_gemm_tuned_tactic", set_grouped_gemm_tuned_tactic, METH_VARARGS,
      "set_grouped_gemm_tuned_tactic(family, E, sum_m, N, K, tactic): keep a tuned choice."},
     {"clear_grouped_gemm_tuned_tactics", clear_grouped_gemm_tuned_tactics, METH_NOARGS,

@@ -8,7 +8,8 @@ import torch
 from cake_ops import nn as cake_ops_nn
 from cake_ops import reference
 import cake_ops
-from cake_ops.fused_moe import default_tile_size, fused_moe_bf16, interleave_up_gate_sm90, override_tactic
+from cake_ops.fused_moe import (default_tile_size, expected_routes, fused_moe_bf16, interleave_up_gate_sm90,
+                               override_tactic)
 from moe_problems import ROUTING_CASES, moe_problem
 
 HAS_CUDA = torch.cuda.is_available()
@@ -64,6 +65,13 @@ def test_non_contiguous_routing_and_activations():
     expected = fused_moe_bf16(x, ids, scales, w1, w2, e, k)
     got = fused_moe_bf16(x.t().contiguous().t(), ids.t().contiguous().t(), scales.t().contiguous().t(), w1, w2, e, k)
     assert torch.equal(got, expected)
+
+
+def test_expected_routes():
+    assert expected_routes(8192, 48, 384) == 1024   # Kimi-K2 EP8 shard, T=1024, top-8
+    assert expected_routes(8, 48, 384) == 1         # rounded up
+    assert expected_routes(8192, 128, 128) == -1    # every expert: every row
+    assert expected_routes(0, 4, 32) == 0
 
 
 def test_default_tile_size():

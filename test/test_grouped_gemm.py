@@ -367,6 +367,19 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
     assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k)] == expected
 
 
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
+def test_heuristic_expected_rows():
+    """The MoE GEMMs' expected_routes: a Kimi-K2 EP8 shard (48 of 384 experts) at T=1024, top-8, runs
+    GEMM1 over 8192 rows of which ~1024 are its own: 21 per expert, the swap-AB regime."""
+    names = cake_ops._C.grouped_gemm_tactics("fwd")
+    tactic_for = cake_ops._C.grouped_gemm_tactic_for
+    assert names[tactic_for("fwd", 48, 8192, 4096, 7168)] == "fwd_bf16_coop_128x256x64_c1x2"
+    assert names[tactic_for("fwd", 48, 8192, 4096, 7168, 1024)] == "fwd_bf16_swapab_coop_128x32x128_c1x1"
+    assert tactic_for("fwd", 48, 8192, 4096, 7168, -1) == tactic_for("fwd", 48, 8192, 4096, 7168)
+    # A hint above sum_m counts as sum_m.
+    assert tactic_for("fwd", 48, 1024, 4096, 7168, 8192) == tactic_for("fwd", 48, 1024, 4096, 7168)
+
+
 # ----------------------------------------------------------------------------------------------
 # Experimental warning
 

@@ -449,6 +449,44 @@ def test_cuda_kernels_reject_what_they_cannot_run():
         torch.ops.cake.moe_finalize(rows[:, :12], e2p, scales)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_expected_routes_is_a_hint(device):
+    """An expert-parallel shard's expected_routes changes the tile choice, never the result (a
+    shard of 4 of 32 experts: ~1/8 of the routes are local); below -1 it is rejected by each op."""
+    x, ids, scales, w1, w2 = moe_problem(200, 4, 32, 4, 64, 64, device)
+    _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, 32, 4, 8, 64)
+    w1 = interleave_up_gate_sm90(w1)
+    hint = 100  # 800 routes, 4 of 32 experts
+    inter = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, 4)
+    inter_hint = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, 4, expected_routes=hint)
+    kept = int(offsets[-1])
+    torch.testing.assert_close(inter_hint[:kept], inter[:kept], rtol=1e-2, atol=1e-2)
+    rows = torch.ops.cake.moe_gemm2(inter, w2, offsets)
+    rows_hint = torch.ops.cake.moe_gemm2(inter, w2, offsets, expected_routes=hint)
+    torch.testing.assert_close(rows_hint[:kept], rows[:kept], rtol=1e-2, atol=1e-2)
+    out, out_hint = (torch.empty(200, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    torch.ops.cake.moe_gemm2_finalize_out(inter, w2, offsets, p2e, e2p, scales, out)
+    torch.ops.cake.moe_gemm2_finalize_out(inter, w2, offsets, p2e, e2p, scales, out_hint, True, -1, hint)
+    torch.testing.assert_close(out_hint, out, rtol=2e-2, atol=2e-2)
+    if device == "cpu":  # the CPU implementations ignore the hint exactly
+        assert torch.equal(inter_hint, inter) and torch.equal(rows_hint, rows) and torch.equal(out_hint, out)
+    gemm1_ws = torch.empty(0, dtype=torch.uint8, device=device)
+    calls = {
+        "moe_gemm1_swiglu": lambda: torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, 4, expected_routes=-2),
+        "moe_gemm1_swiglu_out": lambda: torch.ops.cake.moe_gemm1_swiglu_out(
+            x, w1, p2e, offsets, 4, inter.clone(), gemm1_ws, expected_routes=-2),
+        "moe_gemm2": lambda: torch.ops.cake.moe_gemm2(inter, w2, offsets, expected_routes=-2),
+        "moe_gemm2_out": lambda: torch.ops.cake.moe_gemm2_out(inter, w2, offsets, rows.clone(), gemm1_ws,
+                                                              expected_routes=-2),
+        "moe_gemm2_finalize_out": lambda: torch.ops.cake.moe_gemm2_finalize_out(
+            inter, w2, offsets, p2e, e2p, scales, out, True, -1, -2),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"cake::{name}: expected_routes must be -1 \\(every row\\) or a "
+                                               "route count >= 0, got -2"):
+            call()
+
+
 def test_moe_ops_opcheck():
     ids = torch.randint(0, 16, (20, 4), dtype=torch.int32)
     torch.library.opcheck(torch.ops.cake.moe_sort, (ids, 16, 8, 8, 64))
@@ -457,6 +495,7 @@ def test_moe_ops_opcheck():
     torch.library.opcheck(torch.ops.cake.moe_gemm1_swiglu, (x, interleave_up_gate_sm90(w1), p2e, offsets, 4))
     inter = torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 4)
     torch.library.opcheck(torch.ops.cake.moe_gemm2, (inter, w2, offsets))
+    torch.library.opcheck(torch.ops.cake.moe_gemm2, (inter, w2, offsets), {"expected_routes": 12})
     rows = torch.randn(48, 64).bfloat16()
     torch.library.opcheck(torch.ops.cake.moe_finalize, (rows, e2p, scales))
     torch.library.opcheck(torch.ops.cake.moe_finalize_out, (rows, e2p, scales, torch.empty(12, 64).bfloat16()))

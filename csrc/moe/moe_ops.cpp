@@ -89,9 +89,10 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
                             int64_t top_k, bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits,
                             int64_t /*tactic*/, const c10::optional<at::Tensor>& x_scale,
-                            const c10::optional<at::Tensor>& w1_scale) {
+                            const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  check_expected_routes(expected_routes, op);
   const auto input = check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op);
   if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
   at::Tensor xq = x;
@@ -160,8 +161,10 @@ void moe_routing_out(const c10::optional<at::Tensor>& router_logits, const c10::
 void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                           const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
                           bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
-                          const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale) {
+                          const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
+                          int64_t expected_routes) {
   const char* op = "cake::moe_gemm1_swiglu_out";
+  check_expected_routes(expected_routes, op);
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
   const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), w1.element_size());
@@ -170,13 +173,14 @@ void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::T
               " bytes (cake_ops._C.moe_gemm1_workspace_size), or empty, got ", workspace.scalar_type(), " ",
               workspace.sizes());
   out.copy_(moe_gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic,
-                             x_scale, w1_scale));
+                             x_scale, w1_scale, expected_routes));
 }
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                      bool /*enable_pdl*/, int64_t /*tactic*/, const c10::optional<at::Tensor>& a_scale,
-                     const c10::optional<at::Tensor>& w2_scale) {
+                     const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes) {
   const char* op = "cake::moe_gemm2";
+  check_expected_routes(expected_routes, op);
   check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
   const auto input = check_moe_gemm_input(intermediate, a_scale, w2, w2_scale, "intermediate", "w2", op);
   if (input == MoeGemmInput::kQuantizeA) {
@@ -188,10 +192,12 @@ at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const
 
 void moe_gemm2_out(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                    at::Tensor out, at::Tensor workspace, bool enable_pdl, int64_t tactic,
-                   const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale) {
+                   const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale,
+                   int64_t expected_routes) {
   const char* op = "cake::moe_gemm2_out";
+  check_expected_routes(expected_routes, op);
   check_moe_gemm2_out(intermediate, w2, expert_offsets, out, workspace, op);
-  out.copy_(moe_gemm2(intermediate, w2, expert_offsets, enable_pdl, tactic, a_scale, w2_scale));
+  out.copy_(moe_gemm2(intermediate, w2, expert_offsets, enable_pdl, tactic, a_scale, w2_scale, expected_routes));
 }
 
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
@@ -216,13 +222,16 @@ void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expande
 
 void moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
-                            const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl, int64_t tactic) {
+                            const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl, int64_t tactic,
+                            int64_t expected_routes) {
+  check_expected_routes(expected_routes, "cake::moe_gemm2_finalize_out");
   const auto s = check_moe_gemm2_finalize_out(intermediate, w2, expert_offsets, permuted_to_expanded,
                                               expanded_to_permuted, token_final_scales, out,
                                               "cake::moe_gemm2_finalize_out")
                      .finalize;
   const auto dtype = out.scalar_type();
-  const auto rows = moe_gemm2(intermediate, w2, expert_offsets, enable_pdl, tactic, c10::nullopt, c10::nullopt);
+  const auto rows =
+      moe_gemm2(intermediate, w2, expert_offsets, enable_pdl, tactic, c10::nullopt, c10::nullopt, expected_routes);
   const auto routes = expanded_to_permuted.view({s.num_tokens, s.top_k});
   auto sum = at::zeros({s.num_tokens, s.hidden}, out.options());
   // The CUDA kernel's additions, in route order: each term and each sum rounded to out's dtype.

@@ -22,11 +22,11 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
                             int64_t top_k, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits,
                             int64_t tactic, const c10::optional<at::Tensor>& x_scale,
-                            const c10::optional<at::Tensor>& w1_scale);
+                            const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes);
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                      bool enable_pdl, int64_t tactic, const c10::optional<at::Tensor>& a_scale,
-                     const c10::optional<at::Tensor>& w2_scale);
+                     const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes);
 
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                         const at::Tensor& token_final_scales, bool enable_pdl);
@@ -36,6 +36,7 @@ void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expande
 
 void moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expanded_to_permuted,
-                            const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl, int64_t tactic);
+                            const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl, int64_t tactic,
+                            int64_t expected_routes);
 
 }  // namespace cake

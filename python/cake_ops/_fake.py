@@ -187,10 +187,20 @@ def _check_moe_gemm_input(a, a_scale, w, w_scale, a_name, w_name, op):
     _check_moe_gemm_scales(a, a_scale, w_scale, w.shape[0], a_name, op)
 
 
+def _check_expected_routes(expected_routes, op):
+    _check(expected_routes >= -1, f"{op}: expected_routes must be -1 (every row) or a route count >= 0, got "
+           f"{expected_routes}")
+
+
 @register_fake("cake::moe_gemm1_swiglu")
 def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True, clamp_limits=None,
-                           tactic=-1, x_scale=None, w1_scale=None):
-    op = "cake::moe_gemm1_swiglu"
+                           tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1):
+    return _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes,
+                             "cake::moe_gemm1_swiglu")
+
+
+def _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes, op):
+    _check_expected_routes(expected_routes, op)
     _check(x.dim() == 2 and w1.dim() == 3, f"{op}: x must be [num_tokens, hidden] and w1 [E_local, 2I, hidden]")
     _check(w1.shape[2] == x.shape[1] and w1.shape[1] % 64 == 0,
            f"{op}: w1 must be [E_local, 2I, hidden={x.shape[1]}] with I % 32 == 0, got shape {list(w1.shape)}")
@@ -204,8 +214,13 @@ def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, e
 
 
 @register_fake("cake::moe_gemm2")
-def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True, tactic=-1, a_scale=None, w2_scale=None):
-    op = "cake::moe_gemm2"
+def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True, tactic=-1, a_scale=None, w2_scale=None,
+                    expected_routes=-1):
+    return _moe_gemm2_output(intermediate, w2, expert_offsets, a_scale, w2_scale, expected_routes, "cake::moe_gemm2")
+
+
+def _moe_gemm2_output(intermediate, w2, expert_offsets, a_scale, w2_scale, expected_routes, op):
+    _check_expected_routes(expected_routes, op)
     shape = check_fwd(intermediate, w2, expert_offsets, op, allow_e4m3=True)
     _check_moe_gemm_input(intermediate, a_scale, w2, w2_scale, "intermediate", "w2", op)
     return intermediate.new_empty(shape, dtype=_moe_gemm_out_dtype(intermediate))
@@ -213,8 +228,9 @@ def _moe_gemm2_fake(intermediate, w2, expert_offsets, enable_pdl=True, tactic=-1
 
 @register_fake("cake::moe_gemm2_out")
 def _moe_gemm2_out_fake(intermediate, w2, expert_offsets, out, workspace, enable_pdl=True, tactic=-1, a_scale=None,
-                        w2_scale=None):
-    want = _moe_gemm2_fake(intermediate, w2, expert_offsets, a_scale=a_scale, w2_scale=w2_scale)
+                        w2_scale=None, expected_routes=-1):
+    want = _moe_gemm2_output(intermediate, w2, expert_offsets, a_scale, w2_scale, expected_routes,
+                             "cake::moe_gemm2_out")
     _check(out.shape == want.shape and out.dtype == want.dtype,
            f"cake::moe_gemm2_out: out must be [T * top_k, H] = {list(want.shape)} {want.dtype}, got "
            f"{list(out.shape)} {out.dtype}")
@@ -262,8 +278,9 @@ def _moe_finalize_out_fake(permuted_rows, expanded_to_permuted, token_final_scal
 
 @register_fake("cake::moe_gemm2_finalize_out")
 def _moe_gemm2_finalize_out_fake(intermediate, w2, expert_offsets, permuted_to_expanded, expanded_to_permuted,
-                                 token_final_scales, out, enable_pdl=True, tactic=-1):
+                                 token_final_scales, out, enable_pdl=True, tactic=-1, expected_routes=-1):
     op = "cake::moe_gemm2_finalize_out"
+    _check_expected_routes(expected_routes, op)
     shape = check_fwd(intermediate, w2, expert_offsets, op, allow_e4m3=False)
     _check(intermediate.dtype in (torch.bfloat16, torch.float16),
            f"{op}: the fused finalize takes bfloat16 or float16 operands, got {intermediate.dtype}")
@@ -294,9 +311,9 @@ def _moe_routing_out_fake(router_logits, topk_ids, topk_weights, top_k, num_expe
 
 @register_fake("cake::moe_gemm1_swiglu_out")
 def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, out, workspace, enable_pdl=True,
-                               clamp_limits=None, tactic=-1, x_scale=None, w1_scale=None):
-    want = _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, x_scale=x_scale,
-                                  w1_scale=w1_scale)
+                               clamp_limits=None, tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1):
+    want = _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes,
+                             "cake::moe_gemm1_swiglu_out")
     _check(out.shape == want.shape and out.dtype == want.dtype,
            f"cake::moe_gemm1_swiglu_out: out must be [T * top_k, I] = {list(want.shape)} {want.dtype}, got "
            f"{list(out.shape)} {out.dtype}")

@@ -35,7 +35,7 @@ from . import _C
 from ._experimental import warn_experimental
 from .autotune import tune_grouped_gemm, tuning_active
 
-__all__ = ["default_tile_size", "fused_moe_bf16", "interleave_up_gate_sm90", "override_tactic"]
+__all__ = ["default_tile_size", "expected_routes", "fused_moe_bf16", "interleave_up_gate_sm90", "override_tactic"]
 
 INTERLEAVE_ROWS = 32
 _NAME = "cake_ops.fused_moe_bf16"
@@ -61,6 +61,16 @@ def default_tile_size(num_tokens: int, top_k: int, num_local_experts: int, inter
     switch to 128 comes at 16 rows per expert."""
     rows_per_expert = num_tokens * top_k / max(num_local_experts, 1)
     return 128 if rows_per_expert >= (16 if intermediate < 192 else 64) else 64
+
+
+def expected_routes(routes: int, num_local_experts: int, num_experts: int) -> int:
+    """The MoE GEMMs' ``expected_routes`` hint for a shard of ``num_local_experts`` of ``num_experts``
+    over ``routes`` (T * top_k) routes: its share under even routing, rounded up; -1 (every row) for
+    the whole set. Only the tile choice reads it: a shard's GEMMs are sized for all the routes but
+    hold about E_local / E of them (Kimi-K2 EP8: 1/8), which wants the small-group tiles."""
+    if num_local_experts >= num_experts:
+        return -1
+    return -(-routes * num_local_experts // num_experts)
 
 
 def _shape(t: torch.Tensor) -> list:
@@ -204,27 +214,30 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     overrides = (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
                  gemm2_raster_along_m, intermediate_buffer)
     tune = tuning_active() and x.is_cuda and all(o is None for o in overrides)
-    routes = num_tokens * top_k
+    # A shard's GEMMs choose their tiles by its expected share of the routes (tuned under that bucket too).
+    hint = expected_routes(num_tokens * top_k, num_local, num_experts)
+    routes = num_tokens * top_k if hint < 0 else hint
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
-            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl), x.device)
+            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint), x.device)
     if intermediate_buffer is not None:  # GEMM1 writes it in place (an empty workspace: the op sizes its own)
         torch.ops.cake.moe_gemm1_swiglu_out(x, w1_weight, permuted_to_expanded, offsets, top_k, intermediate_buffer,
-                                            x.new_empty(0, dtype=torch.uint8), enable_pdl, tactic=gemm1_tactic)
+                                            x.new_empty(0, dtype=torch.uint8), enable_pdl, tactic=gemm1_tactic,
+                                            expected_routes=hint)
         inter = intermediate_buffer
     else:
         inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
-                                                tactic=gemm1_tactic)
+                                                tactic=gemm1_tactic, expected_routes=hint)
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
-            inter, w2_weight, offsets, enable_pdl), x.device)
+            inter, w2_weight, offsets, enable_pdl, expected_routes=hint), x.device)
     if use_fused_finalize:
         # GEMM2 adds the router-scaled rows into the output itself (atomics: one rounding per route).
         out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
         torch.ops.cake.moe_gemm2_finalize_out(inter, w2_weight, offsets, permuted_to_expanded, expanded_to_permuted,
-                                              scales, out, enable_pdl, gemm2_tactic)
+                                              scales, out, enable_pdl, gemm2_tactic, hint)
         return out
-    expert_rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, gemm2_tactic)
+    expert_rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, gemm2_tactic, expected_routes=hint)
     if moe_output is not None:
         torch.ops.cake.moe_finalize_out(expert_rows, expanded_to_permuted, scales, moe_output, enable_pdl)
         return moe_output

@@ -50,7 +50,7 @@ import torch
 
 from . import _C
 from ._experimental import warn_experimental
-from .fused_moe import default_tile_size, interleave_up_gate_sm90
+from .fused_moe import default_tile_size, expected_routes, interleave_up_gate_sm90
 
 __all__ = ["FAMILIES", "Plan", "QuantizedActivations", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch",
            "StepFunWeights", "default_plan", "empty_routing_output", "fc1", "fc2", "finalize", "plans_for",
@@ -308,6 +308,11 @@ def _check_hidden_states(fn: str, hidden_states: torch.Tensor, weights: StepFunW
         _fail(fn, f"the {weights.family} family takes no hidden_states_scale")
 
 
+def _expected_routes(routed: RoutingOutput, weights: StepFunWeights) -> int:
+    """The MoE GEMMs' tile hint for the weights' shard (fused_moe.expected_routes)."""
+    return expected_routes(routed.expert_ids.numel(), weights.num_local_experts, weights.num_experts)
+
+
 def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput, enable_pdl: bool = True,
         hidden_states_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GEMM1 with the SwiGLUStep epilogue -> ``[T * top_k, I]`` in permuted row order (bf16 for
@@ -321,7 +326,8 @@ def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOut
         x, x_scale = torch.ops.cake.quantize_fp8(hidden_states, weights.fc1_input_scale)
     return torch.ops.cake.moe_gemm1_swiglu(x, weights.w1, routed.permuted_idx_to_expanded_idx,
                                            routed.expert_offsets, routed.top_k, enable_pdl,
-                                           weights.gemm1_clamp_limit, -1, x_scale, weights.w1_scale)
+                                           weights.gemm1_clamp_limit, -1, x_scale, weights.w1_scale,
+                                           _expected_routes(routed, weights))
 
 
 # GEMM1 quantizing bf16 hidden states itself pays at decode only: the decode kernel takes their
@@ -379,7 +385,7 @@ def fc2(activations: Union[torch.Tensor, QuantizedActivations], weights: StepFun
     weights = _check_weights("fc2", weights)
     values, scale = _fc2_operands("fc2", activations, weights)
     return torch.ops.cake.moe_gemm2(values, weights.w2, routed.expert_offsets, enable_pdl, -1, scale,
-                                    weights.w2_scale)
+                                    weights.w2_scale, _expected_routes(routed, weights))
 
 
 def finalize(gemm2_output: torch.Tensor, expert_weights: torch.Tensor, expanded_idx_to_permuted_idx: torch.Tensor,
@@ -496,7 +502,7 @@ def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: Ro
     warn_experimental(_FEATURE)
     weights = _check_weights("prepare_fc1", weights)
     _check_hidden_states("prepare_fc1", hidden_states, weights, hidden_states_scale)
-    rows = routed.expert_ids.numel()
+    rows, hint = routed.expert_ids.numel(), _expected_routes(routed, weights)
     x = QuantizedActivations(hidden_states, _fc1_input_scale(hidden_states, weights, hidden_states_scale))
     quantize_first = _fc1_quantizes_first(hidden_states, weights)
     if quantize_first:
@@ -512,7 +518,7 @@ def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: Ro
             torch.ops.cake.quantize_fp8_out(hidden_states, weights.fc1_input_scale, x.values, x.scale)
         torch.ops.cake.moe_gemm1_swiglu_out(x.values, weights.w1, routed.permuted_idx_to_expanded_idx,
                                             routed.expert_offsets, routed.top_k, out, workspace, enable_pdl,
-                                            weights.gemm1_clamp_limit, -1, x.scale, weights.w1_scale)
+                                            weights.gemm1_clamp_limit, -1, x.scale, weights.w1_scale, hint)
     return _bound("fc1", run, [out])
 
 
@@ -539,13 +545,14 @@ def prepare_fc2(activations: Union[torch.Tensor, QuantizedActivations], weights:
     warn_experimental(_FEATURE)
     weights = _check_weights("prepare_fc2", weights)
     values, scale = _fc2_operands("prepare_fc2", activations, weights)
+    hint = _expected_routes(routed, weights)
     out = out if out is not None else values.new_empty((values.shape[0], weights.hidden), dtype=torch.bfloat16)
     if workspace is None:
         workspace = _bytes(_C.grouped_gemm_workspace_size(weights.num_local_experts), values.device)
 
     def run():
         torch.ops.cake.moe_gemm2_out(values, weights.w2, routed.expert_offsets, out, workspace, enable_pdl, -1, scale,
-                                     weights.w2_scale)
+                                     weights.w2_scale, hint)
     return _bound("fc2", run, [out])
 
 

@@ -27,9 +27,15 @@ using BucketKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;  // famil
 std::mutex g_tuned_mutex;
 std::map<BucketKey, int> g_tuned;
 
+// The rows the choice sizes the groups by: the caller's expectation where it gave one (an
+// expert-parallel shard gets a fraction of the T * top_k rows it is sized for), else all of them.
+int64_t choice_rows(const GroupedGemmShape& s) {
+  return s.expected_rows >= 0 ? std::min(s.expected_rows, s.sum_m) : s.sum_m;
+}
+
 BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s) {
   int64_t rows = 1;
-  while (rows < s.sum_m) rows *= 2;
+  while (rows < choice_rows(s)) rows *= 2;
   return {static_cast<int>(family), s.num_groups, rows, s.n, s.k};
 }
 
@@ -154,8 +160,9 @@ int sm_count() {
 // of 64 rows fill 97%. Halving the tile pays only when it fills the waves clearly better, and the
 // narrow tiles' 16 token columns hold an expert's rows (more would stream its weight tiles twice).
 bool narrow_weight_tiles_fill_better(const GroupedGemmShape& s) {
-  const int64_t experts = std::max<int64_t>(1, std::min(s.num_groups, s.sum_m));
-  if (s.sum_m > 16 * experts) return false;
+  const int64_t rows = choice_rows(s);
+  const int64_t experts = std::max<int64_t>(1, std::min(s.num_groups, rows));
+  if (rows > 16 * experts) return false;
   const int64_t sms = sm_count();
   auto fill = [&](int64_t tile_rows) {
     const int64_t tiles = experts * ((s.n + tile_rows - 1) / tile_rows);
@@ -223,7 +230,8 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
   // dgrad, results/sweep_moe_gemm_h200_large_t.txt and tiles_balanced_vs_routed_h200.txt).
   // Large groups keep v2's order along N in swizzles of 4 (4 to 12% over the 2x1 cluster, balanced).
   const HeuristicChoices& c = heuristic_choices(family);
-  const int64_t rows_per_group = s.num_groups > 0 ? s.sum_m / s.num_groups : s.sum_m;
+  const int64_t rows = choice_rows(s);
+  const int64_t rows_per_group = s.num_groups > 0 ? rows / s.num_groups : rows;
   if (rows_per_group <= 32) {
     return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
   }

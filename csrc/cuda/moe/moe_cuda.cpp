@@ -226,8 +226,9 @@ sm90::MoeDecodeElement decode_element(const at::Tensor& a) {
 void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
-                const c10::optional<at::Tensor>& w1_scale, const MoeGemm1Shape& s, at::Tensor& out,
-                const at::Tensor& workspace_in, const char* op) {
+                const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes, const MoeGemm1Shape& s,
+                at::Tensor& out, const at::Tensor& workspace_in, const char* op) {
+  check_expected_routes(expected_routes, op);
   const bool quantize_x =
       check_moe_gemm_input(x_in, x_scale, w1, w1_scale, "x", "w1", op) == MoeGemmInput::kQuantizeA;
   at::Tensor clamp_limits;
@@ -291,7 +292,8 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
     sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
                           static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
   }
-  const auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
+  auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
+  shape.expected_rows = expected_routes;
   at::Tensor w1_scale_contiguous;
   const auto scales = gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous);
   const float* limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
@@ -310,24 +312,26 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
 at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                                  const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
                                  const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
-                                 const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale) {
+                                 const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
+                                 int64_t expected_routes) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   auto out = at::empty({s.rows, s.intermediate}, x.options().dtype(moe_gemm_out_dtype(x)));
   gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
-             s, out, at::empty({0}, x.options().dtype(at::kByte)), op);
+             expected_routes, s, out, at::empty({0}, x.options().dtype(at::kByte)), op);
   return out;
 }
 
 void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                                const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
                                bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
-                               const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale) {
+                               const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
+                               int64_t expected_routes) {
   const char* op = "cake::moe_gemm1_swiglu_out";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
   gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
-             s, out, workspace, op);
+             expected_routes, s, out, workspace, op);
 }
 
 void quantize_into(const at::Tensor& x_in, const c10::optional<at::Tensor>& scale, at::Tensor& out,
@@ -380,9 +384,11 @@ void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::
 
 at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                           bool enable_pdl, int64_t tactic, const c10::optional<at::Tensor>& a_scale,
-                          const c10::optional<at::Tensor>& w2_scale) {
+                          const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes) {
   const char* op = "cake::moe_gemm2";
-  const auto shape = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  auto shape = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  check_expected_routes(expected_routes, op);
+  shape.expected_rows = expected_routes;
   auto out = at::empty({shape.sum_m, shape.n}, intermediate.options().dtype(moe_gemm_out_dtype(intermediate)));
   gemm2_into(intermediate, w2, expert_offsets, shape, out, nullptr, enable_pdl, tactic, a_scale, w2_scale, op);
   return out;
@@ -390,9 +396,12 @@ at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, 
 
 void moe_gemm2_out_cuda(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                         at::Tensor out, at::Tensor workspace, bool enable_pdl, int64_t tactic,
-                        const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale) {
+                        const c10::optional<at::Tensor>& a_scale, const c10::optional<at::Tensor>& w2_scale,
+                        int64_t expected_routes) {
   const char* op = "cake::moe_gemm2_out";
-  const auto shape = check_moe_gemm2_out(intermediate, w2, expert_offsets, out, workspace, op);
+  auto shape = check_moe_gemm2_out(intermediate, w2, expert_offsets, out, workspace, op);
+  check_expected_routes(expected_routes, op);
+  shape.expected_rows = expected_routes;
   gemm2_into(intermediate, w2, expert_offsets, shape, out, workspace.numel() == 0 ? nullptr : &workspace, enable_pdl,
              tactic, a_scale, w2_scale, op);
 }
@@ -456,10 +465,12 @@ at::Tensor moe_finalize_cuda(const at::Tensor& rows, const at::Tensor& expanded_
 void moe_gemm2_finalize_out_cuda(const at::Tensor& intermediate_in, const at::Tensor& w2,
                                  const at::Tensor& expert_offsets, const at::Tensor& permuted_to_expanded_in,
                                  const at::Tensor& expanded_to_permuted, const at::Tensor& scales_in, at::Tensor out,
-                                 bool enable_pdl, int64_t tactic) {
+                                 bool enable_pdl, int64_t tactic, int64_t expected_routes) {
   const char* op = "cake::moe_gemm2_finalize_out";
-  const auto s = check_moe_gemm2_finalize_out(intermediate_in, w2, expert_offsets, permuted_to_expanded_in,
-                                              expanded_to_permuted, scales_in, out, op);
+  auto s = check_moe_gemm2_finalize_out(intermediate_in, w2, expert_offsets, permuted_to_expanded_in,
+                                        expanded_to_permuted, scales_in, out, op);
+  check_expected_routes(expected_routes, op);
+  s.gemm.expected_rows = expected_routes;
   check_gemm_dtype(intermediate_in, op);
   c10::cuda::CUDAGuard guard(intermediate_in.device());
   select_kernel_arch(intermediate_in.get_device(), op);

@@ -67,6 +67,35 @@ struct RegisterEpilogueArray {
                                make_coord(get<0>(blk_coord_mnkl), get<1>(blk_coord_mnkl)));
     return tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
   }
+
+  // The 4 lanes of a quad hold one accumulator row: lane q has columns 2q, 2q + 1 of each 8-column
+  // group. Given w[j] = lane q's two packed outputs of group j of 4 consecutive groups, the quad
+  // transposes them so that lane q holds all 8 columns of group q (w[i] = columns 2i, 2i + 1): one
+  // 16-byte access where there were four 4-byte ones. Two butterfly steps of shfl.xor (each lane
+  // keeps the words its partner does not need); every lane of the warp must take part.
+  // A 16-byte store to global memory (a plain store through the group's pointer array is generic: ST.E).
+  static CUTLASS_DEVICE void store16_global(void* p, const uint32_t (&w)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                 : "memory");
+  }
+
+  static CUTLASS_DEVICE void quad_transpose(uint32_t (&w)[4]) {
+    const int q = threadIdx.x & 3;
+    CUTLASS_PRAGMA_UNROLL
+    for (int mask = 1; mask <= 2; mask *= 2) {
+      const bool upper = (q & mask) != 0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        if (j & mask) continue;  // the pair (j, j | mask)
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? w[j] : w[j | mask], mask);
+        if (upper) {
+          w[j] = got;
+        } else {
+          w[j | mask] = got;
+        }
+      }
+    }
+  }
 };
 
 }  // namespace cake::sm90

@@ -1,7 +1,8 @@
 // The MoE GEMM2 with the fused finalize as a grouped GEMM epilogue (Hopper, ptr-array kernels):
 // row p of the expert products (permuted order) belongs to route r = rows_to_routes[p] of token
 // r / top_k; the tile's accumulators are rounded to the output type (as GEMM2 would store them),
-// scaled by the route's router weight and added into out[token] with a packed two-element atomic.
+// scaled by the route's router weight and added into out[token], 8 elements a lane after a quad
+// transpose, with one 16-byte atomic reduction.
 // The k routes of a token then arrive in any order: one output-type rounding per route, not
 // bitwise reproducible (the specification's fused finalize; moe_finalize is the fixed-order one).
 // The prologue zeroes out before the GEMM starts.
@@ -16,23 +17,32 @@
 
 namespace cake::sm90 {
 
-// Two adjacent output elements += (a, b), each rounded to the output type first: one reduction to
-// global memory (red, no return value; a generic-pointer atomicAdd also emits a shared-memory path).
+// Two output elements packed in a word, each rounded to the output type; and eight of them (a
+// quad-transposed group, RegisterEpilogueArray::quad_transpose) added to global memory with one
+// 16-byte reduction (red, no return value; a generic-pointer atomicAdd also emits a shared-memory path).
 template <class T>
 struct PackedAdd;
 template <>
 struct PackedAdd<cutlass::bfloat16_t> {
-  static __device__ void add(void* p, float a, float b) {
+  static __device__ uint32_t pack(float a, float b) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" ::"l"(p), "r"(*reinterpret_cast<const uint32_t*>(&v))
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  static __device__ void add8(void* p, const uint32_t (&w)[4]) {
+    asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+                 "r"(w[3])
                  : "memory");
   }
 };
 template <>
 struct PackedAdd<cutlass::half_t> {
-  static __device__ void add(void* p, float a, float b) {
+  static __device__ uint32_t pack(float a, float b) {
     const __half2 v = __floats2half2_rn(a, b);
-    asm volatile("red.global.add.noftz.f16x2 [%0], %1;" ::"l"(p), "r"(*reinterpret_cast<const uint32_t*>(&v))
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+  static __device__ void add8(void* p, const uint32_t (&w)[4]) {
+    asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+                 "r"(w[3])
                  : "memory");
   }
 };
@@ -72,28 +82,40 @@ class ScatterAddEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_
     const auto thread_coords =
         Base::template accumulator_coords<FrgLayout>(M, N, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
 
+    static_assert(kGroups % 4 == 0, "the quad transpose takes column groups 4 at a time");
+    const int q = threadIdx.x & 3;
     cutlass::NumericConverter<ElementD, float, cutlass::FloatRoundStyle::round_to_nearest> to_out;
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < size<1>(accumulators); ++mm) {
       CUTLASS_PRAGMA_UNROLL
       for (int half = 0; half < 2; ++half) {
+        // The quad's row (all 4 lanes: they shuffle whether or not the row is in the group).
         const int m = get<0>(thread_coords(make_coord(make_coord(0, half, 0), mm, 0)));
-        if (m >= M) continue;
-        const int32_t route = params_.rows_to_routes[first_row + m];
-        if (route < 0 || route >= params_.routes) __trap();  // no call: a call would serialize the wgmmas
-        const float scale = params_.route_scales[route];
-        ElementD* out_row = params_.out + (route / params_.top_k) * int64_t(N);
+        const bool row_in_group = m < M;
+        float scale = 0.0f;
+        ElementD* out_row = params_.out;
+        if (row_in_group) {
+          const int32_t route = params_.rows_to_routes[first_row + m];
+          if (route < 0 || route >= params_.routes) __trap();  // no call: a call would serialize the wgmmas
+          scale = params_.route_scales[route];
+          out_row += (route / params_.top_k) * int64_t(N);
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int nn = 0; nn < size<2>(accumulators); ++nn) {
           CUTLASS_PRAGMA_UNROLL
-          for (int g = 0; g < kGroups; ++g) {
-            auto at = [&](int c) { return make_coord(make_coord(c, half, g), mm, nn); };
-            const int n = get<1>(thread_coords(at(0)));
-            if (n >= N) continue;  // N is even: the pair lies within it
-            // GEMM2's stored row (one rounding), times the router weight, one more rounding.
-            const float a = __fmul_rn(scale, static_cast<float>(to_out(accumulators(at(0)))));
-            const float b = __fmul_rn(scale, static_cast<float>(to_out(accumulators(at(1)))));
-            PackedAdd<ElementD>::add(out_row + n, a, b);
+          for (int b = 0; b < kGroups / 4; ++b) {
+            uint32_t w[4];
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              auto at = [&](int c) { return make_coord(make_coord(c, half, 4 * b + j), mm, nn); };
+              // GEMM2's stored row (one rounding), times the router weight, one more rounding.
+              w[j] = PackedAdd<ElementD>::pack(__fmul_rn(scale, static_cast<float>(to_out(accumulators(at(0))))),
+                                               __fmul_rn(scale, static_cast<float>(to_out(accumulators(at(1))))));
+            }
+            Base::quad_transpose(w);
+            // Lane q now holds group 4b + q whole: its 8 columns start 2q left of lane q's own pair.
+            const int n = get<1>(thread_coords(make_coord(make_coord(0, half, 4 * b + q), mm, nn))) - 2 * q;
+            if (row_in_group && n < N) PackedAdd<ElementD>::add8(out_row + n, w);  // N % 8 == 0
           }
         }
       }

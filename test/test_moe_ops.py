@@ -266,9 +266,10 @@ def test_gemm2_finalize_matches_gemm2_then_finalize(device, dtype, case):
 def test_gemm2_fused_finalize_in_the_gemm_epilogue(dtype):
     """Each tile with a scatter twin, forced, on ragged groups (empty, one row, not a tile multiple, hot) with an
     EP shard's dropped routes: the atomic combine against the same rows added in route order (each tile's GEMM2
-    rows: the atomics' order changes only the roundings of the sums) and against the float32 combine."""
+    rows: the atomics' order changes only the roundings of the sums) and against the float32 combine. hidden
+    320: the last 256-column tile is mostly past N."""
     family, prefix, tiles = SCATTER_TWINS[dtype]
-    t, k, hidden, inter_size = 300, 2, 256, 192
+    t, k, hidden, inter_size = 300, 2, 320, 192
     counts = [0, 1, 130, 7, 300, 45]
     kept = sum(counts)
     inter = torch.randn(t * k, inter_size).to(dtype)

@@ -71,21 +71,24 @@ class Timer:
     def __call__(self, fn, setup=None, graph=False, calls=1):
         return self.many({"fn": (fn, setup)}, graph, calls)["fn"]
 
-    def many(self, fns, graph=False, calls=1):
+    def many(self, fns, graph=False, calls=1, graphs=()):
         """{name: (fn, setup)} -> {name: median ms per call}; a callable that raises
         RuntimeError or TypeError gets the message instead. graph: time replays of a CUDA graph
-        of `calls` back-to-back calls (no launch overhead, as inside a model's decode graph)."""
+        of `calls` back-to-back calls (no launch overhead, as inside a model's decode graph);
+        graphs: the names to time so (one call each) in the same rotation as the eager others, so
+        that the clock drift of a long run at full power biases neither mode."""
         runs, out = {}, {}
         for name, (fn, setup) in fns.items():
+            replay = graph or name in graphs
             try:
                 for _ in range(self.warmup):
                     if setup:
                         setup()
                     fn()
-                if graph:
+                if replay:
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g):
-                        for _ in range(calls):
+                        for _ in range(calls if graph else 1):
                             fn()
                     fn = g.replay
                 runs[name] = (fn, setup)

@@ -73,12 +73,6 @@ struct RegisterEpilogueArray {
   // transposes them so that lane q holds all 8 columns of group q (w[i] = columns 2i, 2i + 1): one
   // 16-byte access where there were four 4-byte ones. Two butterfly steps of shfl.xor (each lane
   // keeps the words its partner does not need); every lane of the warp must take part.
-  // A 16-byte store to global memory (a plain store through the group's pointer array is generic: ST.E).
-  static CUTLASS_DEVICE void store16_global(void* p, const uint32_t (&w)[4]) {
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
-                 : "memory");
-  }
-
   static CUTLASS_DEVICE void quad_transpose(uint32_t (&w)[4]) {
     const int q = threadIdx.x & 3;
     CUTLASS_PRAGMA_UNROLL

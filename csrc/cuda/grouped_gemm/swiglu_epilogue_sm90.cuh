@@ -4,8 +4,7 @@
 // halves of a pair (column n in its column group v, n + 32 in group v + 4), so the activation
 // happens in registers and only the [rows, N / 2] result is stored: no h round trip through
 // memory, no SwiGLU kernel. Stores go straight from registers (no shared memory, so the mainloop
-// keeps it all for stages), 16 bytes a lane after a quad transpose (the output rows and their
-// base must be 16-byte aligned: the MoE GEMM1 checks its output; I % 32 == 0).
+// keeps it all for stages).
 //
 // Numbers are those of the unfused path bit for bit: alpha * acc (fp8: the per-group scale, as
 // LinearCombination applies it), rounded to the output type as the GEMM would store h, then
@@ -63,7 +62,6 @@ class SwiGluEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_> {
 
     cutlass::NumericConverter<ElementD, float, cutlass::FloatRoundStyle::round_to_nearest> to_out;
     auto rounded = [&](float v) { return static_cast<float>(to_out(alpha * v)); };
-    const int q = threadIdx.x & 3;
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < size<1>(accumulators); ++mm) {
       CUTLASS_PRAGMA_UNROLL
@@ -71,28 +69,23 @@ class SwiGluEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_> {
         CUTLASS_PRAGMA_UNROLL
         for (int half = 0; half < 2; ++half) {
           CUTLASS_PRAGMA_UNROLL
-          for (int chunk = 0; chunk < kGroups / 8; ++chunk) {
-            // Up groups 8 chunk + j (j < 4), gate groups 8 chunk + 4 + j: 32 output columns, 8 a group.
-            uint32_t w[4];
+          for (int g = 0; g < kGroups; ++g) {
+            if (g % 8 >= 4) continue;  // gate groups: read with their up group
+            auto up_at = [&](int c) { return make_coord(make_coord(c, half, g), mm, nn); };
+            auto gate_at = [&](int c) { return make_coord(make_coord(c, half, g + 4), mm, nn); };
+            const auto mn = thread_coords(up_at(0));
+            const int m = get<0>(mn), n = get<1>(mn);
+            if (m >= M || n >= N) continue;  // N is a multiple of 64: the pair lies within it
+            float r[2];
             CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              auto up_at = [&](int c) { return make_coord(make_coord(c, half, 8 * chunk + j), mm, nn); };
-              auto gate_at = [&](int c) { return make_coord(make_coord(c, half, 8 * chunk + 4 + j), mm, nn); };
-              cutlass::Array<ElementD, 2> pair;
-              CUTLASS_PRAGMA_UNROLL
-              for (int c = 0; c < 2; ++c) {
-                pair[c] = to_out(
-                    swiglu_value(rounded(accumulators(up_at(c))), rounded(accumulators(gate_at(c))), step, limit));
-              }
-              w[j] = *reinterpret_cast<const uint32_t*>(&pair);
+            for (int c = 0; c < 2; ++c) {
+              r[c] = swiglu_value(rounded(accumulators(up_at(c))), rounded(accumulators(gate_at(c))), step, limit);
             }
-            // Every lane shuffles (rows past M included); then lane q holds output group j = q whole.
-            Base::quad_transpose(w);
-            const auto mn = thread_coords(make_coord(make_coord(0, half, 8 * chunk + q), mm, nn));
-            const int m = get<0>(mn), n = get<1>(mn) - 2 * q;  // the group's first product column
-            if (m >= M || n >= N) continue;  // N is a multiple of 64: the chunk lies within it
-            // Product columns [n, n + 8) of an up group: output columns (n / 64) * 32 + n % 32 on.
-            Base::store16_global(out + m * row_pitch + (n / 64) * 32 + n % 32, w);
+            // Columns n, n + 1 of the product: output columns (n / 64) * 32 + n % 32 and the next.
+            cutlass::Array<ElementD, 2> pair;
+            pair[0] = to_out(r[0]);
+            pair[1] = to_out(r[1]);
+            *reinterpret_cast<cutlass::Array<ElementD, 2>*>(out + m * row_pitch + (n / 64) * 32 + n % 32) = pair;
           }
         }
       }

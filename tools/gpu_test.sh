@@ -7,26 +7,10 @@
 # working tree needs no install; the test log, benchmark JSON and plot go to the results dir.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=${WHEELS:-.whl}
 RESULTS=${1:-benchmarks/results}
-SITE=${CAKE_SITE:-/tmp/cake_site}
 mkdir -p "$RESULTS"
-
-# Wheels the machine lacks: nvidia-cutlass (headers) and expecttest (tests).
-if ! python3 -c "import cutlass_library, expecttest" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-# Build with the system compiler: a toolchain that links libstdc++ statically into the module
-# (seen on the H200 image, whose CXX=/opt/gcc/bin/g++) gives it a second libstdc++ whose locale
-# facets crash on the first formatted error message.
-if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-
-# In-place build: the same CMake build that setup.py drives, into python/cake_ops.
-time cmake --preset sm90 -DPython_EXECUTABLE="$(command -v python3)" >/dev/null
-time cmake --build --preset sm90 --parallel "${MAX_JOBS:-$(nproc)}"
+source tools/device_env.sh
+time cake_build
 
 python3 -c "import cake_ops, torch; print(cake_ops.build_info(), torch.cuda.get_device_name())"
 status=0

@@ -1,0 +1,23 @@
+# Sourced by the GPU-machine scripts (gpu_test.sh, device_ab.sh) from the repository root: the
+# wheels the machine lacks, the compiler, PYTHONPATH, and cake_build (the in-place sm90 build).
+# Env: WHEELS (default .whl), CAKE_SITE, MAX_JOBS.
+WHEELS=${WHEELS:-.whl}
+SITE=${CAKE_SITE:-/tmp/cake_site}
+# Wheels the machine lacks: nvidia-cutlass (headers) and expecttest (tests).
+if ! python3 -c "import cutlass_library, expecttest" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+# Build with the system compiler: a toolchain that links libstdc++ statically into the module
+# (seen on the H200 image, whose CXX=/opt/gcc/bin/g++) gives it a second libstdc++ whose locale
+# facets crash on the first formatted error message.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
+export PYTHONPATH="$PWD/python:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+# In-place build: the same CMake build that setup.py drives, into python/cake_ops (incremental
+# when build/sm90 is there).
+cake_build() {
+  cmake --preset sm90 -DPython_EXECUTABLE="$(command -v python3)" >/dev/null &&
+    cmake --build --preset sm90 --parallel "${MAX_JOBS:-$(nproc)}"
+}

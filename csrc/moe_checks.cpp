@@ -184,9 +184,10 @@ void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, con
               limits.device());
 }
 
-void check_expected_routes(int64_t expected_routes, const char* op) {
+int64_t check_expected_routes(int64_t expected_routes, const char* op) {
   TORCH_CHECK(expected_routes >= -1, op, ": expected_routes must be -1 (every row) or a route count >= 0, got ",
               expected_routes);
+  return expected_routes;
 }
 
 namespace {

@@ -65,8 +65,8 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
 // clamp_limits of SwiGLUStep: float32 [E_local] on `like`'s device.
 void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, const at::Tensor& like, const char* op);
 
-// The MoE GEMMs' expected_routes hint: -1 (every row) or a count >= 0.
-void check_expected_routes(int64_t expected_routes, const char* op);
+// The MoE GEMMs' expected_routes hint: -1 (every row) or a count >= 0; returns it.
+int64_t check_expected_routes(int64_t expected_routes, const char* op);
 
 // moe_routing's arguments: exactly one of router_logits or (topk_ids and topk_weights), then the
 // shard (check_moe_shard). Returns the token count.

@@ -228,7 +228,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
                 const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes, const MoeGemm1Shape& s,
                 at::Tensor& out, const at::Tensor& workspace_in, const char* op) {
-  check_expected_routes(expected_routes, op);
+  const int64_t expected_rows = check_expected_routes(expected_routes, op);
   const bool quantize_x =
       check_moe_gemm_input(x_in, x_scale, w1, w1_scale, "x", "w1", op) == MoeGemmInput::kQuantizeA;
   at::Tensor clamp_limits;
@@ -293,7 +293,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                           static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
   }
   auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
-  shape.expected_rows = expected_routes;
+  shape.expected_rows = expected_rows;
   at::Tensor w1_scale_contiguous;
   const auto scales = gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous);
   const float* limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
@@ -387,8 +387,7 @@ at::Tensor moe_gemm2_cuda(const at::Tensor& intermediate, const at::Tensor& w2, 
                           const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes) {
   const char* op = "cake::moe_gemm2";
   auto shape = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
-  check_expected_routes(expected_routes, op);
-  shape.expected_rows = expected_routes;
+  shape.expected_rows = check_expected_routes(expected_routes, op);
   auto out = at::empty({shape.sum_m, shape.n}, intermediate.options().dtype(moe_gemm_out_dtype(intermediate)));
   gemm2_into(intermediate, w2, expert_offsets, shape, out, nullptr, enable_pdl, tactic, a_scale, w2_scale, op);
   return out;
@@ -400,8 +399,7 @@ void moe_gemm2_out_cuda(const at::Tensor& intermediate, const at::Tensor& w2, co
                         int64_t expected_routes) {
   const char* op = "cake::moe_gemm2_out";
   auto shape = check_moe_gemm2_out(intermediate, w2, expert_offsets, out, workspace, op);
-  check_expected_routes(expected_routes, op);
-  shape.expected_rows = expected_routes;
+  shape.expected_rows = check_expected_routes(expected_routes, op);
   gemm2_into(intermediate, w2, expert_offsets, shape, out, workspace.numel() == 0 ? nullptr : &workspace, enable_pdl,
              tactic, a_scale, w2_scale, op);
 }
@@ -469,8 +467,7 @@ void moe_gemm2_finalize_out_cuda(const at::Tensor& intermediate_in, const at::Te
   const char* op = "cake::moe_gemm2_finalize_out";
   auto s = check_moe_gemm2_finalize_out(intermediate_in, w2, expert_offsets, permuted_to_expanded_in,
                                         expanded_to_permuted, scales_in, out, op);
-  check_expected_routes(expected_routes, op);
-  s.gemm.expected_rows = expected_routes;
+  s.gemm.expected_rows = check_expected_routes(expected_routes, op);
   check_gemm_dtype(intermediate_in, op);
   c10::cuda::CUDAGuard guard(intermediate_in.device());
   select_kernel_arch(intermediate_in.get_device(), op);

@@ -304,4 +304,66 @@ MoeGemm2FinalizeShape check_moe_gemm2_finalize_out(const at::Tensor& intermediat
   return {gemm, fin};
 }
 
+MoeForwardShape check_moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_experts,
+                                      const at::Tensor& token_final_scales, const at::Tensor& w1, const at::Tensor& w2,
+                                      int64_t local_expert_offset, const at::Tensor& out,
+                                      const at::Tensor& workspace, const c10::optional<at::Tensor>& clamp_limits,
+                                      const c10::optional<at::Tensor>& x_scale,
+                                      const c10::optional<at::Tensor>& w1_scale,
+                                      const c10::optional<at::Tensor>& fc2_scale,
+                                      const c10::optional<at::Tensor>& w2_scale, const char* op) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be a 2-D [num_tokens, hidden] tensor, got shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op,
+              ": x must be bfloat16 or float16, got ", x.scalar_type());
+  MoeForwardShape s;
+  s.num_tokens = x.size(0);
+  s.hidden = x.size(1);
+  const auto& ids = token_selected_experts;
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == s.num_tokens && ids.size(1) >= 1, op,
+              ": token_selected_experts must be [num_tokens = ", s.num_tokens, ", top_k >= 1], got ", ids.sizes());
+  s.top_k = ids.size(1);
+  TORCH_CHECK(ids.scalar_type() == at::kInt, op, ": token_selected_experts must be int32, got ", ids.scalar_type());
+  TORCH_CHECK(token_final_scales.sizes() == ids.sizes() && token_final_scales.scalar_type() == at::kFloat, op,
+              ": token_final_scales must be float32 ", ids.sizes(), ", got ", token_final_scales.scalar_type(), " ",
+              token_final_scales.sizes());
+  TORCH_CHECK(w1.dim() == 3 && w1.size(0) >= 1 && w1.size(1) % 2 == 0 && w1.size(1) >= 2 && w1.size(2) == s.hidden, op,
+              ": w1 must be [E_local >= 1, 2I, hidden = ", s.hidden, "] with 2I even, got ", w1.sizes());
+  s.num_local_experts = w1.size(0);
+  s.intermediate = w1.size(1) / 2;
+  TORCH_CHECK(w2.dim() == 3 && w2.size(0) == s.num_local_experts && w2.size(1) == s.hidden &&
+                  w2.size(2) == s.intermediate,
+              op, ": w2 must be [E_local, hidden, I] = [", s.num_local_experts, ", ", s.hidden, ", ",
+              s.intermediate, "], got ", w2.sizes());
+  TORCH_CHECK(w2.scalar_type() == w1.scalar_type(), op, ": w2 must have w1's dtype ", w1.scalar_type(), ", got ",
+              w2.scalar_type());
+  TORCH_CHECK(local_expert_offset >= 0, op, ": local_expert_offset must be >= 0, got ", local_expert_offset);
+  for (const auto* t : {&ids, &token_final_scales, &w1, &w2, &out, &workspace}) {
+    TORCH_CHECK(t->device() == x.device(), op, ": every tensor must be on x's device ", x.device(), ", got one on ",
+                t->device());
+  }
+  TORCH_CHECK(w1.is_contiguous() && w2.is_contiguous(), op, ": w1 and w2 must be contiguous");
+  const auto input = check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op);
+  TORCH_CHECK(input != MoeGemmInput::kFp8, op, ": x must be 16-bit (internal)");
+  if (input == MoeGemmInput::k16Bit) {
+    TORCH_CHECK(w1.scalar_type() == x.scalar_type(), op, ": w1 must have x's dtype ", x.scalar_type(), " (or be ",
+                "float8_e4m3fn with bfloat16 x), got ", w1.scalar_type());
+  }
+  // GEMM2's activations are GEMM1's output: x's dtype (bfloat16 on the fp8 path), quantized likewise.
+  check_moe_gemm_input(x, fc2_scale, w2, w2_scale, "fc2_scale's activations", "w2", op);
+  s.fp8 = input == MoeGemmInput::kQuantizeA;
+  if (clamp_limits) check_clamp_limits(*clamp_limits, s.num_local_experts, x, op);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == s.num_tokens && out.size(1) == s.hidden, op,
+              ": out must have shape [num_tokens, hidden] = [", s.num_tokens, ", ", s.hidden, "], got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), op, ": out must have x's dtype ", x.scalar_type(), ", got ",
+              out.scalar_type());
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  const int64_t bytes = moe_forward_workspace_bytes(s.num_tokens * s.top_k, s.hidden, s.intermediate);
+  TORCH_CHECK(workspace.scalar_type() == at::kByte && workspace.dim() == 1 &&
+                  (workspace.numel() == 0 || workspace.numel() >= bytes) && workspace.device() == x.device() &&
+                  workspace.is_contiguous(),
+              op, ": workspace must be a contiguous uint8 tensor of 0 or at least ", bytes, " bytes on ", x.device(),
+              ", got ", workspace.scalar_type(), " ", workspace.sizes(), " on ", workspace.device());
+  return s;
+}
+
 }  // namespace cake

@@ -137,4 +137,26 @@ MoeGemm2FinalizeShape check_moe_gemm2_finalize_out(const at::Tensor& intermediat
                                                    const at::Tensor& token_final_scales, const at::Tensor& out,
                                                    const char* op);
 
+// moe_forward_out: x [T, H] bfloat16 / float16; token_selected_experts [T, k] int32 and
+// token_final_scales [T, k] float32 on x's device; w1 [E_local, 2I, H] and w2 [E_local, H, I]
+// contiguous, of x's dtype or both float8_e4m3fn (bfloat16 x, quantized on the way in, with
+// w1_scale / w2_scale and optional static x_scale / fc2_scale: check_moe_gemm_input);
+// clamp_limits as check_clamp_limits; out [T, H] of x's dtype, contiguous; workspace uint8, empty
+// or moe_forward_workspace_bytes(T * top_k, H, I) bytes.
+inline int64_t moe_forward_workspace_bytes(int64_t routes, int64_t hidden, int64_t intermediate) {
+  return 2 * routes * (intermediate + hidden);  // the layer kernel's h [routes, I] and y [routes, H], 16-bit
+}
+struct MoeForwardShape {
+  int64_t num_tokens = 0, top_k = 0, hidden = 0, intermediate = 0, num_local_experts = 0;
+  bool fp8 = false;
+};
+MoeForwardShape check_moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_experts,
+                                      const at::Tensor& token_final_scales, const at::Tensor& w1, const at::Tensor& w2,
+                                      int64_t local_expert_offset, const at::Tensor& out,
+                                      const at::Tensor& workspace, const c10::optional<at::Tensor>& clamp_limits,
+                                      const c10::optional<at::Tensor>& x_scale,
+                                      const c10::optional<at::Tensor>& w1_scale,
+                                      const c10::optional<at::Tensor>& fc2_scale,
+                                      const c10::optional<at::Tensor>& w2_scale, const char* op);
+
 }  // namespace cake

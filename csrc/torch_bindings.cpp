@@ -7,6 +7,7 @@
 #include "moe_checks.h"
 #ifdef CAKE_WITH_CUDA
 #include "cuda/grouped_gemm/grouped_gemm_tactics.h"
+#include "cuda/moe/moe_kernels.h"
 #endif
 
 TORCH_LIBRARY(cake, m) {
@@ -128,6 +129,18 @@ TORCH_LIBRARY(cake, m) {
       "moe_gemm2_finalize_out(Tensor intermediate, Tensor w2, Tensor expert_offsets, Tensor permuted_to_expanded, "
       "Tensor expanded_to_permuted, Tensor token_final_scales, Tensor(a!) out, bool enable_pdl=True, "
       "int tactic=-1, int expected_routes=-1) -> ()");
+  // A whole MoE layer into out [T, H] (x's dtype, overwritten): moe_sort of token_selected_experts
+  // for the shard [local_expert_offset, + E_local) (E_local = w1.size(0)), moe_gemm1_swiglu (SwiGLU,
+  // or SwiGLUStep with clamp_limits), moe_gemm2 and moe_finalize, with those ops' numbers; fp8:
+  // float8_e4m3fn w1 / w2 with w1_scale / w2_scale, bfloat16 x quantized per tensor on the way into
+  // each GEMM (x_scale / fc2_scale static, or dynamic). On CUDA a decode batch (T * top_k <= 64
+  // routes, shapes the decode kernel takes: moe_forward_layer_fits) runs as one cooperative launch
+  // with a uint8 workspace of moe_forward_workspace_size(T * top_k, H, I) bytes (empty: allocated
+  // by the op); anything else runs the four ops.
+  m.def(
+      "moe_forward_out(Tensor x, Tensor token_selected_experts, Tensor token_final_scales, Tensor w1, Tensor w2, "
+      "int local_expert_offset, Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, "
+      "Tensor? x_scale=None, Tensor? w1_scale=None, Tensor? fc2_scale=None, Tensor? w2_scale=None) -> ()");
   // The same into a caller-owned [T, H] tensor of permuted_rows' dtype (fused_moe_bf16's moe_output).
   m.def(
       "moe_finalize_out(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
@@ -264,7 +277,33 @@ PyObject* moe_gemm1_workspace_size(PyObject*, PyObject* args) {
   return PyLong_FromLongLong(cake::moe_gemm1_workspace_bytes(rows, hidden, inter, num_local, element_size));
 }
 
+// moe_forward_workspace_size(routes, H, I): bytes of moe_forward_out's workspace;
+// moe_forward_layer_fits(routes, H, I, weight_bytes): whether its CUDA path is the one-launch layer
+// kernel (False in a build without CUDA kernels).
+PyObject* moe_forward_workspace_size(PyObject*, PyObject* args) {
+  long long routes = 0, hidden = 0, inter = 0;
+  if (!PyArg_ParseTuple(args, "LLL", &routes, &hidden, &inter)) return nullptr;
+  if (routes < 0 || hidden < 0 || inter < 0) {
+    PyErr_SetString(PyExc_ValueError, "moe_forward_workspace_size: sizes must be >= 0");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(cake::moe_forward_workspace_bytes(routes, hidden, inter));
+}
+
+PyObject* moe_forward_layer_fits(PyObject*, PyObject* args) {
+  long long routes = 0, hidden = 0, inter = 0, weight_bytes = 0;
+  if (!PyArg_ParseTuple(args, "LLLL", &routes, &hidden, &inter, &weight_bytes)) return nullptr;
+#ifdef CAKE_WITH_CUDA
+  if (cake::sm90::moe_decode_layer_fits(routes, hidden, inter, weight_bytes)) Py_RETURN_TRUE;
+#endif
+  Py_RETURN_FALSE;
+}
+
 PyMethodDef methods[] = {
+    {"moe_forward_workspace_size", moe_forward_workspace_size, METH_VARARGS,
+     "moe_forward_workspace_size(routes, H, I): bytes of moe_forward_out's workspace."},
+    {"moe_forward_layer_fits", moe_forward_layer_fits, METH_VARARGS,
+     "moe_forward_layer_fits(routes, H, I, weight_bytes): whether moe_forward_out runs as one CUDA launch."},
     {"moe_routing_workspace_size", moe_routing_workspace_size, METH_VARARGS,
      "moe_routing_workspace_size(routes, E_local): bytes of moe_routing_out's workspace."},
     {"moe_gemm1_workspace_size", moe_gemm1_workspace_size, METH_VARARGS,

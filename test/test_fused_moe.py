@@ -174,6 +174,29 @@ def test_pdl_changes_no_number():
     assert torch.equal(with_pdl, fused_moe_bf16(x, ids, scales, w1, w2, e, k, enable_pdl=False))
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="the layer kernel is CUDA's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["one_token", "ep_shard_one_token"])
+def test_one_token_runs_the_layer_kernel(dtype, case, monkeypatch):
+    """T=1 on CUDA is one moe_forward_out launch (the layer kernel takes H=512, I=256); it matches
+    the float32 reference and the staged ops (LAYER_MAX_TOKENS=0) within their tolerance."""
+    t, k, e, e_local, offset = (1, 8, 128, 128, 0) if case == "one_token" else (1, 8, 64, 16, 16)
+    x, ids, scales, w1, w2 = moe_problem(t, k, e, e_local, 512, 256, "cuda", dtype)
+    ids[0, :3] = torch.tensor([16, 17, 40])  # three routes in the shard (ep), the rest mostly outside
+    w1i = interleave_up_gate_sm90(w1)
+    assert cake_ops._C.moe_forward_layer_fits(t * k, 512, 256, 2)
+    out = fused_moe_bf16(x, ids, scales, w1i, w2, e, k, e_local, offset)
+    layer = torch.empty_like(x)
+    torch.ops.cake.moe_forward_out(x, ids, scales, w1i, w2, offset, layer, torch.empty(0, dtype=torch.uint8,
+                                                                                       device="cuda"))
+    assert torch.equal(out, layer)
+    want = reference.moe_forward(x, ids, scales, w1, w2, e_local, offset)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(cake_ops.fused_moe, "LAYER_MAX_TOKENS", 0)
+    torch.testing.assert_close(fused_moe_bf16(x, ids, scales, w1i, w2, e, k, e_local, offset, use_fused_finalize=False),
+                               out, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay_with_new_routing():
     x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", "cuda", torch.bfloat16)

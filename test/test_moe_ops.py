@@ -529,3 +529,156 @@ def test_interleave_up_gate_sm90():
         assert torch.equal(out[:, 64 * c + 32:64 * (c + 1)], gate[:, 32 * c:32 * (c + 1)])
     with pytest.raises(ValueError, match="I % 32 == 0"):
         interleave_up_gate_sm90(torch.randn(2, 40, 8))
+
+
+# ---- moe_forward_out: the whole layer (on CUDA, the one-launch layer kernel at decode sizes) ----
+# name -> (num_tokens, top_k, num_experts, num_local_experts, local_expert_offset); "many_routes"
+# has 80 routes, past the layer kernel's 64: CUDA runs the four ops there.
+FORWARD_CASES = {"one_token": (1, 8, 64, 64, 0), "ep_shard": (1, 8, 64, 16, 16), "three_tokens": (3, 4, 16, 16, 0),
+                 "top1": (2, 1, 8, 8, 0), "no_tokens": (0, 8, 16, 16, 0), "many_routes": (20, 4, 16, 16, 0)}
+
+
+def forward_problem(case, dtype, limits, static_scales, device, hidden=512, inter=256):
+    """moe_forward_out's arguments (gate-first w1 kept for the reference): e4m3 weights take
+    bfloat16 x at amplitude 12 (the scales and the limits matter)."""
+    t, k, e, e_local, offset = FORWARD_CASES[case]
+    fp8 = dtype == torch.float8_e4m3fn
+    x, ids, scales, w1_gate_up, w2 = moe_problem(t, k, e, e_local, hidden, inter, "cpu",
+                                                 torch.bfloat16 if fp8 else dtype)
+    w1 = interleave_up_gate_sm90(w1_gate_up)
+    opt = dict(clamp_limits=torch.linspace(0.2, 2.0, e_local) if limits else None, x_scale=None, w1_scale=None,
+               fc2_scale=None, w2_scale=None)
+    if fp8:
+        x = 12 * x
+        (w1, opt["w1_scale"]), (w2, opt["w2_scale"]) = quantize_per_expert(w1), quantize_per_expert(w2)
+        if static_scales:
+            opt["x_scale"], opt["fc2_scale"] = torch.tensor([0.06]), torch.tensor([0.02])
+    move = (lambda v: v.to(device) if v is not None else None)
+    args = [move(v) for v in (x, ids, scales, w1, w2)]
+    return args, {n: move(v) for n, v in opt.items()}, (w1_gate_up, offset, e_local)
+
+
+def staged_forward(x, ids, scales, w1, w2, offset, tactic=-1, clamp_limits=None, x_scale=None, w1_scale=None,
+                   fc2_scale=None, w2_scale=None):
+    """moe_sort -> moe_gemm1_swiglu -> moe_gemm2 -> moe_finalize, as separate ops."""
+    e_local = w1.shape[0]
+    _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, offset + e_local, e_local, offset, 64)
+    h = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, ids.shape[1], True, clamp_limits, tactic, x_scale,
+                                        w1_scale)
+    rows = torch.ops.cake.moe_gemm2(h, w2, offsets, True, tactic, fc2_scale, w2_scale)
+    return torch.ops.cake.moe_finalize(rows, e2p, scales)
+
+
+def forward_out(args, opt, offset, workspace=None):
+    x = args[0]
+    out = torch.full_like(x, float("nan"))
+    ws = torch.empty(0, dtype=torch.uint8, device=x.device) if workspace is None else workspace
+    torch.ops.cake.moe_forward_out(*args, offset, out, ws, True, **opt)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_moe_forward_out_is_the_four_ops(case, dtype):
+    """On the CPU: bit for bit the four ops it stands for, and close to the float32 reference MoE."""
+    fp8 = dtype == torch.float8_e4m3fn
+    args, opt, (w1_gate_up, offset, e_local) = forward_problem(case, dtype, True, fp8, "cpu")
+    got = forward_out(args, opt, offset)
+    assert torch.equal(got, staged_forward(*args, offset, **opt))
+    if not fp8:  # e4m3 weights: their rounding is the error (the four ops' own tests bound it)
+        x, ids, scales, _, w2 = args
+        want = reference.moe_forward(x, ids, scales, w1_gate_up, w2, e_local, offset, opt["clamp_limits"])
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@cuda_only
+@pytest.mark.parametrize("limits", [False, True])
+@pytest.mark.parametrize("dtype,static_scales", [(torch.bfloat16, False), (torch.float16, False),
+                                                 (torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True)])
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_moe_forward_out_layer_kernel(case, dtype, static_scales, limits):
+    """The layer kernel (T * top_k <= 64) is bit for bit the four ops on the decode kernel (tactic
+    -2: the same wgmma sequence per 64 weight rows, the same roundings and fp8 scales); the rest
+    runs the four ops. Both agree with the CPU op."""
+    fp8 = dtype == torch.float8_e4m3fn
+    args, opt, (_, offset, _) = forward_problem(case, dtype, limits, static_scales, "cuda")
+    t, k = args[1].shape
+    got = forward_out(args, opt, offset)
+    if 0 < t * k <= 64:
+        assert cake_ops._C.moe_forward_layer_fits(t * k, 512, 256, args[3].element_size())
+        assert torch.equal(got, staged_forward(*args, offset, tactic=-2, **opt))
+    else:
+        assert torch.equal(got, staged_forward(*args, offset, **opt))
+    cpu_args = [a.cpu() for a in args]
+    cpu_opt = {n: v.cpu() if v is not None else None for n, v in opt.items()}
+    want = forward_out(cpu_args, cpu_opt, offset)
+    tol = 5e-2 if fp8 else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
+    # A caller-owned workspace gives the same bits.
+    ws = torch.empty(cake_ops._C.moe_forward_workspace_size(t * k, 512, 256), dtype=torch.uint8, device="cuda")
+    assert torch.equal(forward_out(args, opt, offset, ws), got)
+
+
+@cuda_only
+def test_moe_forward_out_graph_replay():
+    """Captured once; new routes, scales and hidden states written into the bound tensors; replayed."""
+    args, opt, (_, offset, _) = forward_problem("one_token", torch.float8_e4m3fn, True, False, "cuda")
+    x, ids, scales = args[:3]
+    out = torch.empty_like(x)
+    ws = torch.empty(cake_ops._C.moe_forward_workspace_size(8, 512, 256), dtype=torch.uint8, device="cuda")
+    run = lambda: torch.ops.cake.moe_forward_out(*args, offset, out, ws, True, **opt)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        x.copy_(12 * torch.randn_like(x, dtype=torch.float32))
+        ids.copy_(torch.randperm(64, device="cuda")[:8].view(1, 8).int())
+        scales.copy_(torch.softmax(torch.randn_like(scales), -1))
+        graph.replay()
+        assert torch.equal(out, forward_out(args, opt, offset))
+
+
+@cuda_only
+def test_moe_forward_out_dropped_and_bad_ids():
+    """Ids outside the shard (other shards, negative, past num_experts) contribute zero; a token
+    with none kept gets zeros."""
+    args, opt, (_, offset, _) = forward_problem("ep_shard", torch.bfloat16, False, False, "cuda")
+    args[1].copy_(torch.tensor([[-1, 0, 15, 32, 100, 1 << 30, 17, 31]], dtype=torch.int32))
+    got = forward_out(args, opt, offset)
+    assert torch.equal(got, staged_forward(*args, offset, tactic=-2, **opt))
+    args[1].fill_(3)
+    assert torch.equal(forward_out(args, opt, offset), torch.zeros_like(got))
+
+
+def test_moe_forward_out_opcheck():
+    args, opt, (_, offset, _) = forward_problem("three_tokens", torch.bfloat16, True, False, "cpu")
+    out = torch.empty_like(args[0])
+    torch.library.opcheck(torch.ops.cake.moe_forward_out, (*args, offset, out, torch.empty(0, dtype=torch.uint8)),
+                          opt)
+
+
+class TestMoeForwardErrors(expecttest.TestCase):
+    def error(self, *args, **kwargs):
+        with self.assertRaises(RuntimeError) as ctx:
+            torch.ops.cake.moe_forward_out(*args, **kwargs)
+        return str(ctx.exception).split("\n")[0]
+
+    def test_errors(self):
+        args, opt, (_, offset, _) = forward_problem("three_tokens", torch.bfloat16, False, False, "cpu")
+        x, ids, scales, w1, w2 = args
+        out, ws = torch.empty_like(x), torch.empty(0, dtype=torch.uint8)
+        self.assertExpectedInline(self.error(x.float(), ids, scales, w1, w2, 0, out, ws), """cake::moe_forward_out: x must be bfloat16 or float16, got Float""")
+        self.assertExpectedInline(self.error(x, ids.long(), scales, w1, w2, 0, out, ws), """cake::moe_forward_out: token_selected_experts must be int32, got Long""")
+        self.assertExpectedInline(self.error(x, ids[:2], scales, w1, w2, 0, out, ws), """cake::moe_forward_out: token_selected_experts must be [num_tokens = 3, top_k >= 1], got [2, 4]""")
+        self.assertExpectedInline(self.error(x, ids, scales.double(), w1, w2, 0, out, ws), """cake::moe_forward_out: token_final_scales must be float32 [3, 4], got Double [3, 4]""")
+        self.assertExpectedInline(self.error(x, ids, scales, w1, w2[:, :, :8], 0, out, ws), """cake::moe_forward_out: w2 must be [E_local, hidden, I] = [16, 512, 256], got [16, 512, 8]""")
+        self.assertExpectedInline(self.error(x, ids, scales, w1, w2, -1, out, ws), """cake::moe_forward_out: local_expert_offset must be >= 0, got -1""")
+        self.assertExpectedInline(self.error(x, ids, scales, w1.half(), w2.half(), 0, out, ws), """cake::moe_forward_out: w1 must have x's dtype BFloat16 (or be float8_e4m3fn with bfloat16 x), got Half""")
+        self.assertExpectedInline(self.error(x, ids, scales, w1, w2, 0, out[:2], ws), """cake::moe_forward_out: out must have shape [num_tokens, hidden] = [3, 512], got [2, 512]""")
+        self.assertExpectedInline(self.error(x, ids, scales, w1, w2, 0, out, torch.empty(8, dtype=torch.uint8)), """cake::moe_forward_out: workspace must be a contiguous uint8 tensor of 0 or at least 18432 bytes on cpu, got Byte [8] on cpu""")
+        w1q, w1s = quantize_per_expert(w1)
+        w2q, _ = quantize_per_expert(w2)
+        self.assertExpectedInline(self.error(x, ids, scales, w1q, w2q, 0, out, ws), """cake::moe_forward_out: float8_e4m3fn w1 needs its scales (one per local expert)""")
+        self.assertExpectedInline(self.error(x, ids, scales, w1q, w2q, 0, out, ws, w1_scale=w1s), """cake::moe_forward_out: float8_e4m3fn w2 needs its scales (one per local expert)""")

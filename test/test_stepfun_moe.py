@@ -333,6 +333,32 @@ def test_pipeline_is_bitwise_the_stages(device, family):
 
 
 @families
+@pytest.mark.parametrize("shard", [False, True])
+def test_layer_plan_is_bitwise_the_staged_plan(device, family, shard):
+    """T=1's default plan runs fc1 -> requant -> fc2 -> finalize as one unit (moe_forward_out: on
+    CUDA the layer kernel, with the decode kernel's numbers): the same bits as the staged plan,
+    one-shot and prepared."""
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, 1, hidden, inter, e, k)
+    lo, n = (e // 4, e // 2) if shard else (0, e)
+    weights = sm.prepare_weights(w1[lo:lo + n], w2[lo:lo + n], limits_for("mixed", n).to(device), family=family,
+                                 num_experts=e, local_expert_offset=lo)
+    plan = sm.default_plan(family, 1, k, n, inter)
+    assert plan.stages == sm.LAYER_STAGES
+    staged = next(p for p in sm.plans_for(family) if p.tile_size == 64 and p.stages != sm.LAYER_STAGES and
+                  ("requant" in p.stages) == (family == "fp8"))
+    want = sm.stepfun_moe(x, weights, logits, top_k=k, plan=staged)
+    got = sm.stepfun_moe(x, weights, logits, top_k=k)
+    assert torch.equal(got, want)
+    assert torch.equal(sm.prepare_stepfun_moe(x, weights, logits, top_k=k).launch(), want)
+    # What the layer unit cannot do falls back to the staged plan by default, and is an error if asked.
+    rows, expert_weights, e2p = sm.stepfun_moe(x, weights, logits, top_k=k, do_finalize=False)
+    assert torch.equal(sm.finalize(rows, expert_weights, e2p), want)
+    with pytest.raises(ValueError, match="the layer plan cannot run with do_finalize=False"):
+        sm.stepfun_moe(x, weights, logits, top_k=k, plan=plan, do_finalize=False)
+
+
+@families
 def test_expert_parallel_shards_sum_to_the_whole(device, family):
     hidden, inter, e, k, _ = geometry(device)
     x, logits, w1, w2 = make(device, 16, hidden, inter, e, k)
@@ -514,14 +540,16 @@ def test_ops_opcheck():
 
 def test_plans():
     plans = sm.plans_for("bf16")
-    assert [p.tile_size for p in plans] == [64, 128]
-    assert all(p.stages == ("routing", "fc1", "fc2", "finalize") for p in plans)
+    assert [p.tile_size for p in plans] == [64, 128, 64]
+    assert [p.stages for p in plans] == [("routing", "fc1", "fc2", "finalize")] * 2 + [sm.LAYER_STAGES]
     assert sm.default_plan("bf16", 8, 8, 64, 1536).tile_size == 64
     assert sm.default_plan("bf16", 2048, 8, 64, 1536).tile_size == 128
     assert [p.stages for p in sm.plans_for("fp8")] == ([("routing", "fc1", "requant", "fc2", "finalize")] * 2 +
-                                                       [("routing", "fc1", "fc2", "finalize")] * 2)
-    # Decode: fc2 quantizes fc1's output itself (one launch fewer); larger: requant.
-    assert "requant" not in sm.default_plan("fp8", 1, 8, 64, 1536).stages
+                                                       [("routing", "fc1", "fc2", "finalize")] * 2 + [sm.LAYER_STAGES])
+    # A decode token: the layer plan (routing, then one unit); a few: fc2 quantizes fc1's output
+    # itself (one launch fewer); larger: requant.
+    assert sm.default_plan("fp8", 1, 8, 64, 1536).stages == sm.LAYER_STAGES
+    assert "requant" not in sm.default_plan("fp8", 2, 8, 64, 1536).stages
     assert "requant" in sm.default_plan("fp8", 8, 8, 64, 1536).stages
     with pytest.raises(NotImplementedError, match="'nvfp4' weight family is not implemented yet"):
         sm.plans_for("nvfp4")

@@ -246,6 +246,25 @@ void moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2
   out.copy_(sum);
 }
 
+void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_experts,
+                     const at::Tensor& token_final_scales, const at::Tensor& w1, const at::Tensor& w2,
+                     int64_t local_expert_offset, at::Tensor out, at::Tensor workspace, bool enable_pdl,
+                     const c10::optional<at::Tensor>& clamp_limits, const c10::optional<at::Tensor>& x_scale,
+                     const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& fc2_scale,
+                     const c10::optional<at::Tensor>& w2_scale) {
+  const auto s = check_moe_forward_out(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
+                                       workspace, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale,
+                                       "cake::moe_forward_out");
+  // Ids outside the shard are dropped whatever num_experts, so the shard's end serves as it.
+  const auto sorted = moe_sort(token_selected_experts, local_expert_offset + s.num_local_experts,
+                               s.num_local_experts, local_expert_offset, /*tile_size=*/128);
+  const auto& offsets = std::get<1>(sorted);
+  const auto h = moe_gemm1_swiglu(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1, x_scale,
+                                  w1_scale, -1);
+  const auto rows = moe_gemm2(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, -1);
+  out.copy_(moe_finalize(rows, std::get<3>(sorted), token_final_scales, enable_pdl));
+}
+
 TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_sort", &moe_sort);
   m.impl("moe_routing", &moe_routing);
@@ -259,6 +278,7 @@ TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_finalize", &moe_finalize);
   m.impl("moe_finalize_out", &moe_finalize_out);
   m.impl("moe_gemm2_finalize_out", &moe_gemm2_finalize_out);
+  m.impl("moe_forward_out", &moe_forward_out);
 }
 
 }  // namespace cake

@@ -39,4 +39,11 @@ void moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2
                             const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl, int64_t tactic,
                             int64_t expected_routes);
 
+void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_experts,
+                     const at::Tensor& token_final_scales, const at::Tensor& w1, const at::Tensor& w2,
+                     int64_t local_expert_offset, at::Tensor out, at::Tensor workspace, bool enable_pdl,
+                     const c10::optional<at::Tensor>& clamp_limits, const c10::optional<at::Tensor>& x_scale,
+                     const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& fc2_scale,
+                     const c10::optional<at::Tensor>& w2_scale);
+
 }  // namespace cake

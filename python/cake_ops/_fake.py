@@ -317,3 +317,42 @@ def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_
     _check(out.shape == want.shape and out.dtype == want.dtype,
            f"cake::moe_gemm1_swiglu_out: out must be [T * top_k, I] = {list(want.shape)} {want.dtype}, got "
            f"{list(out.shape)} {out.dtype}")
+
+
+@register_fake("cake::moe_forward_out")
+def _moe_forward_out_fake(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
+                          workspace, enable_pdl=True, clamp_limits=None, x_scale=None, w1_scale=None, fc2_scale=None,
+                          w2_scale=None):
+    op = "cake::moe_forward_out"
+    ids, scales = token_selected_experts, token_final_scales
+    _check(x.dim() == 2, f"{op}: x must be a 2-D [num_tokens, hidden] tensor, got shape {list(x.shape)}")
+    _check(x.dtype in (torch.bfloat16, torch.float16), f"{op}: x must be bfloat16 or float16, got {x.dtype}")
+    tokens, hidden = x.shape
+    _check(ids.dim() == 2 and ids.shape[0] == tokens and ids.shape[1] >= 1,
+           f"{op}: token_selected_experts must be [num_tokens = {tokens}, top_k >= 1], got {list(ids.shape)}")
+    _check(ids.dtype == torch.int32, f"{op}: token_selected_experts must be int32, got {ids.dtype}")
+    _check(scales.shape == ids.shape and scales.dtype == torch.float32,
+           f"{op}: token_final_scales must be float32 {list(ids.shape)}, got {scales.dtype} {list(scales.shape)}")
+    _check(w1.dim() == 3 and w1.shape[0] >= 1 and w1.shape[1] % 2 == 0 and w1.shape[1] >= 2 and w1.shape[2] == hidden,
+           f"{op}: w1 must be [E_local >= 1, 2I, hidden = {hidden}] with 2I even, got {list(w1.shape)}")
+    num_local, inter = w1.shape[0], w1.shape[1] // 2
+    _check(list(w2.shape) == [num_local, hidden, inter],
+           f"{op}: w2 must be [E_local, hidden, I] = {[num_local, hidden, inter]}, got {list(w2.shape)}")
+    _check(w2.dtype == w1.dtype, f"{op}: w2 must have w1's dtype {w1.dtype}, got {w2.dtype}")
+    _check(local_expert_offset >= 0, f"{op}: local_expert_offset must be >= 0, got {local_expert_offset}")
+    _check(w1.dtype == x.dtype or (x.dtype == torch.bfloat16 and w1.dtype == torch.float8_e4m3fn),
+           f"{op}: w1 must have x's dtype {x.dtype} (or be float8_e4m3fn with bfloat16 x), got {w1.dtype}")
+    _check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op)
+    _check_moe_gemm_input(x, fc2_scale, w2, w2_scale, "fc2_scale's activations", "w2", op)
+    if clamp_limits is not None:
+        _check(clamp_limits.dim() == 1 and clamp_limits.shape[0] == num_local and clamp_limits.dtype == torch.float32,
+               f"{op}: clamp_limits must be float32 [E_local] = [{num_local}], got {clamp_limits.dtype} "
+               f"{list(clamp_limits.shape)}")
+    _check(list(out.shape) == [tokens, hidden] and out.dtype == x.dtype,
+           f"{op}: out must be [num_tokens, hidden] = {[tokens, hidden]} of x's dtype {x.dtype}, got "
+           f"{list(out.shape)} {out.dtype}")
+    need = 2 * tokens * ids.shape[1] * (inter + hidden)
+    _check(workspace.dtype == torch.uint8 and workspace.dim() == 1 and
+           (workspace.numel() == 0 or workspace.numel() >= need),
+           f"{op}: workspace must be a uint8 tensor of 0 or at least {need} bytes, got {workspace.dtype} "
+           f"{list(workspace.shape)}")

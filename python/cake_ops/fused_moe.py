@@ -41,6 +41,12 @@ INTERLEAVE_ROWS = 32
 _NAME = "cake_ops.fused_moe_bf16"
 
 
+# Tokens up to which a CUDA forward runs as one moe_forward_out launch (the layer kernel), when it
+# takes the shapes and no buffer or tile override asks for the staged ops (H200: benchmarks/NOTES.md,
+# session 12). Benchmarks set 0 to time the staged ops on the same build.
+LAYER_MAX_TOKENS = 1
+
+
 def interleave_up_gate_sm90(w_gate_up: torch.Tensor) -> torch.Tensor:
     """Gate-first ``[E, 2I, H]`` weights (``[gate; up]``) -> the SM90 kernel's order, interleaved at
     32 rows: ``[up 0:32 | gate 0:32 | up 32:64 | gate 32:64 | ...]``, so that one wgmma accumulator
@@ -201,6 +207,16 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     _check_overrides(hidden, intermediate, tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k,
                      gemm2_cluster_shape_mn, gemm2_raster_along_m)
 
+    if (x.is_cuda and num_tokens <= LAYER_MAX_TOKENS and intermediate_buffer is None and all(
+            o is None for o in (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
+                                gemm2_raster_along_m))
+            and _C.moe_forward_layer_fits(num_tokens * top_k, hidden, intermediate, x.element_size())):
+        # A decode token: the whole layer in one launch (moe_finalize's fixed-order combine, which
+        # the fused finalize's contract allows too).
+        out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
+        torch.ops.cake.moe_forward_out(x, ids, scales, w1_weight, w2_weight, local_expert_offset, out,
+                                       x.new_empty(0, dtype=torch.uint8), enable_pdl)
+        return out
     tile = tile_size or default_tile_size(num_tokens, top_k, num_local, intermediate)
     _, offsets, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
         ids, num_experts, num_local, local_expert_offset, tile)

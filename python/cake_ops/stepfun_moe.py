@@ -52,7 +52,7 @@ from . import _C
 from ._experimental import warn_experimental
 from .fused_moe import default_tile_size, expected_routes, interleave_up_gate_sm90
 
-__all__ = ["FAMILIES", "Plan", "QuantizedActivations", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch",
+__all__ = ["FAMILIES", "LAYER_STAGES", "Plan", "QuantizedActivations", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch",
            "StepFunWeights", "default_plan", "empty_routing_output", "fc1", "fc2", "finalize", "plans_for",
            "prepare_fc1", "prepare_fc2", "prepare_finalize", "prepare_requant", "prepare_routing",
            "prepare_stepfun_moe", "prepare_weights", "requant", "routing", "stepfun_moe"]
@@ -61,6 +61,11 @@ _FEATURE = "cake_ops.stepfun_moe"
 FAMILIES = ("bf16", "fp8", "nvfp4", "nvfp4_bf16tok", "mxfp8")
 RUNNABLE_FAMILIES = ("bf16", "fp8")
 STAGES = ("routing", "fc1", "requant", "fc2", "finalize")
+# The decode plan's units: routing, then fc1 + requant + fc2 + finalize as one unit
+# (torch.ops.cake.moe_forward_out: on CUDA one launch of the layer kernel, same numbers).
+LAYER_STAGES = ("routing", "layer")
+# Tokens up to which the default plan is the layer plan (H200, benchmarks/NOTES.md session 12).
+_LAYER_MAX_TOKENS = 1
 
 
 def _fail(fn: str, message: str, error=ValueError):
@@ -87,8 +92,11 @@ class Plan:
         _check_family("Plan", self.family)
         if self.tile_size not in (64, 128):
             _fail("Plan", f"tile_size must be 64 or 128, got {self.tile_size}")
+        if self.stages == LAYER_STAGES:
+            return
         if not set(self.stages) <= set(STAGES) or "routing" not in self.stages or "fc1" not in self.stages:
-            _fail("Plan", f"stages must be drawn from {STAGES} with routing and fc1, got {self.stages}")
+            _fail("Plan", f"stages must be {LAYER_STAGES}, or drawn from {STAGES} with routing and fc1, got "
+                          f"{self.stages}")
 
 
 def _stages(family: str, fc2_quantizes: bool = False) -> tuple:
@@ -104,16 +112,24 @@ _FC2_QUANTIZES_MAX_ELEMENTS = 1 << 15
 
 
 def plans_for(family: str) -> List[Plan]:
-    """Every plan of a family: one per tile size; fp8 also with fc2 quantizing its input."""
+    """Every plan of a family: one per tile size; fp8 also with fc2 quantizing its input; and the
+    layer plan (routing, then the rest as one unit: finalized output only)."""
     _check_family("plans_for", family)
     folds = (False, True) if family == "fp8" else (False,)
-    return [Plan(family, tile, _stages(family, fold)) for fold in folds for tile in (64, 128)]
+    return [Plan(family, tile, _stages(family, fold)) for fold in folds for tile in (64, 128)] + [
+        Plan(family, 64, LAYER_STAGES)]
 
 
 def default_plan(family: str, num_tokens: int, top_k: int, num_local_experts: int, intermediate: int) -> Plan:
     """The family's plan with the tile rule of fused_moe_bf16 (64 below 64 rows per expert); fp8
-    at decode sizes folds requant into fc2."""
+    at decode sizes folds requant into fc2; a decode token (T=1) runs the layer plan."""
     _check_family("default_plan", family)
+    if num_tokens <= _LAYER_MAX_TOKENS:
+        return Plan(family, 64, LAYER_STAGES)
+    return _staged_plan(family, num_tokens, top_k, num_local_experts, intermediate)
+
+
+def _staged_plan(family: str, num_tokens: int, top_k: int, num_local_experts: int, intermediate: int) -> Plan:
     rows = num_tokens * top_k
     fold = family == "fp8" and rows <= _FC2_QUANTIZES_MAX_ROWS and rows * intermediate <= _FC2_QUANTIZES_MAX_ELEMENTS
     return Plan(family, default_tile_size(num_tokens, top_k, num_local_experts, intermediate), _stages(family, fold))
@@ -241,12 +257,41 @@ def prepare_weights(w1_gate_up: torch.Tensor, w2: torch.Tensor,
                           _scale_tensor(fn, "fc2_input_scale", fc2_input_scale, device))
 
 
-def _plan(fn: str, plan: Optional[Plan], weights: StepFunWeights, num_tokens: int, top_k: int) -> Plan:
-    """The given plan, checked against the weights' family, or the family's default plan."""
-    plan = plan or default_plan(weights.family, num_tokens, top_k, weights.num_local_experts, weights.intermediate)
+def _plan(fn: str, plan: Optional[Plan], weights: StepFunWeights, hidden_states: torch.Tensor, top_k: int,
+          do_finalize: bool, prepared: bool = False) -> Plan:
+    """The given plan, checked against the weights' family and the call, or the family's default
+    plan (the staged one where the layer plan cannot run: do_finalize=False, e4m3 hidden states,
+    and on CUDA shapes the layer kernel does not take)."""
+    num_tokens = hidden_states.shape[0]
+    args = (weights.family, num_tokens, top_k, weights.num_local_experts, weights.intermediate)
+    layer_why = None
+    if not do_finalize:
+        layer_why = "do_finalize=False (the layer unit returns the finalized output only)"
+    elif hidden_states.dtype == torch.float8_e4m3fn:
+        layer_why = "float8_e4m3fn hidden states (the layer unit quantizes bfloat16 ones itself)"
+    elif hidden_states.is_cuda and not _C.moe_forward_layer_fits(num_tokens * top_k, weights.hidden,
+                                                                 weights.intermediate, weights.w1.element_size()):
+        layer_why = "these shapes (not the layer kernel's: cake_ops._C.moe_forward_layer_fits)"
+    if plan is None:
+        plan = default_plan(*args)
+        if plan.stages == LAYER_STAGES and layer_why is not None:
+            plan = _staged_plan(*args)
     if plan.family != weights.family:
         _fail(fn, f"the plan is for the {plan.family!r} family, the weights are {weights.family!r}")
+    # One-shot calls may run the layer unit's four-op composition; prepared launches may not (it allocates).
+    if plan.stages == LAYER_STAGES and layer_why is not None and (prepared or not layer_why.startswith("these")):
+        _fail(fn, f"the layer plan cannot run with {layer_why}; pass a staged plan (plans_for)")
     return plan
+
+
+def _layer(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput, out: torch.Tensor,
+           workspace: torch.Tensor, enable_pdl: bool) -> None:
+    """The layer unit: fc1 -> requant -> fc2 -> finalize in one op (moe_forward_out), into out."""
+    fp8 = weights.family == "fp8"
+    torch.ops.cake.moe_forward_out(hidden_states, routed.expert_ids, routed.expert_weights, weights.w1, weights.w2,
+                                   weights.local_expert_offset, out, workspace, enable_pdl, weights.gemm1_clamp_limit,
+                                   weights.fc1_input_scale if fp8 else None, weights.w1_scale,
+                                   weights.fc2_input_scale if fp8 else None, weights.w2_scale)
 
 
 def _check_weights(fn: str, weights) -> StepFunWeights:
@@ -410,10 +455,14 @@ def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_log
     warn_experimental(_FEATURE)
     weights = _check_weights("stepfun_moe", weights)
     _check_hidden_states("stepfun_moe", hidden_states, weights, hidden_states_scale)
-    plan = _plan("stepfun_moe", plan, weights, hidden_states.shape[0], top_k)
+    plan = _plan("stepfun_moe", plan, weights, hidden_states, top_k, do_finalize)
     routed = routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
                      num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
                      local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
+    if plan.stages == LAYER_STAGES:
+        out = hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
+        _layer(hidden_states.contiguous(), weights, routed, out, _bytes(0, hidden_states.device), enable_pdl)
+        return out
     act = fc1(hidden_states.contiguous(), weights, routed, enable_pdl, hidden_states_scale)
     if "requant" in plan.stages:
         act = requant(act, weights)
@@ -600,11 +649,18 @@ def prepare_stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights,
     if hidden_states.dim() != 2 or hidden_states.shape[1] != weights.hidden or not hidden_states.is_contiguous():
         _fail("prepare_stepfun_moe", f"hidden_states must be a contiguous [num_tokens, hidden={weights.hidden}] "
                                      f"tensor, got {list(hidden_states.shape)}")
-    plan = _plan("prepare_stepfun_moe", plan, weights, hidden_states.shape[0], top_k)
+    plan = _plan("prepare_stepfun_moe", plan, weights, hidden_states, top_k, do_finalize, prepared=True)
     routing_stage = prepare_routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
                                     num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
                                     local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
     routed = routing_stage.outputs()[0]
+    if plan.stages == LAYER_STAGES:
+        _check_hidden_states("prepare_stepfun_moe", hidden_states, weights, hidden_states_scale)
+        out = hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
+        workspace = _bytes(_C.moe_forward_workspace_size(routed.expert_ids.numel(), weights.hidden,
+                                                         weights.intermediate), hidden_states.device)
+        layer = _bound("layer", lambda: _layer(hidden_states, weights, routed, out, workspace, enable_pdl), [out])
+        return StepFunMoeLaunch([routing_stage, layer], [out])
     stages = [routing_stage, prepare_fc1(hidden_states, weights, routed, enable_pdl=enable_pdl,
                                          hidden_states_scale=hidden_states_scale)]
     if "requant" in plan.stages:

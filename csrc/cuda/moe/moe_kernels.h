@@ -109,6 +109,37 @@ bool moe_decode_gemm_fits(int64_t n, int64_t k_bytes, int64_t num_experts);
 void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool swiglu, cudaStream_t stream,
                      bool pdl);
 
+// A whole MoE layer for a decode batch in one cooperative launch (moe_decode_layer_sm90.cu): every
+// kept route of x's tokens through GEMM1 + SwiGLU(Step) into h, GEMM2 into y, then out [tokens,
+// hidden] = the fixed-order float32 combine: the numbers of moe_gemm1_swiglu -> moe_gemm2 ->
+// moe_finalize. h [routes, I] and y [routes, hidden] (16-bit) are caller-owned scratch.
+constexpr int64_t kMoeDecodeLayerMaxRoutes = 64;
+struct MoeDecodeLayerArgs {
+  const void* x = nullptr;  // [tokens, hidden] 16-bit (bfloat16 for e4m3 weights: quantized on the way in)
+  int64_t tokens = 0;
+  int top_k = 1;
+  const int32_t* ids = nullptr;  // [tokens * top_k] global expert ids
+  const float* scales = nullptr;
+  int64_t local_offset = 0;
+  int64_t num_local = 0;
+  const void* w1 = nullptr;  // [E_local, 2I, hidden]
+  const void* w2 = nullptr;  // [E_local, hidden, I]
+  int64_t hidden = 0;
+  int64_t inter = 0;
+  const float* x_scale = nullptr;    // fp8: static activation scales, or null (dynamic)
+  const float* fc2_scale = nullptr;
+  const float* w1_scale = nullptr;   // fp8: [E_local]
+  const float* w2_scale = nullptr;
+  const float* limits = nullptr;     // SwiGLUStep: [E_local]
+  void* h = nullptr;
+  void* y = nullptr;
+  void* out = nullptr;
+};
+// Whether the layer kernel takes this shape: routes <= kMoeDecodeLayerMaxRoutes, both GEMMs fit the
+// decode kernel, and for e4m3 weights (w_bytes 1) the dynamic scales' amax sizes.
+bool moe_decode_layer_fits(int64_t routes, int64_t hidden, int64_t inter, int64_t w_bytes);
+void moe_decode_layer(const MoeDecodeLayerArgs& a, MoeDecodeElement element, cudaStream_t stream, bool pdl);
+
 // out[t] = sum_j scales[t, j] * rows[expanded_to_permuted[t * top_k + j]] over kept routes, in
 // fp32 in route order (bitwise reproducible), rounded once. A route index outside
 // [-1, num_rows) is a device-side error.

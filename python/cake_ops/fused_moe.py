@@ -45,6 +45,21 @@ _NAME = "cake_ops.fused_moe_bf16"
 # takes the shapes and no buffer or tile override asks for the staged ops (H200: benchmarks/NOTES.md,
 # session 12). Benchmarks set 0 to time the staged ops on the same build.
 LAYER_MAX_TOKENS = 1
+_LAYER_MAX_ROUTES = 64  # kMoeDecodeLayerMaxRoutes
+_DECODE_STEP_BYTES = 256  # kMoeDecodeStepBytes
+_DECODE_MAX_AMAX_ELEMENTS = 1 << 15  # kMoeDecodeMaxAmaxElements
+
+
+def layer_fits(routes: int, hidden: int, intermediate: int, weight_bytes: int) -> bool:
+    """Whether moe_forward_out runs these shapes as the one-launch layer kernel on CUDA: the C++
+    rule (cake_ops._C.moe_forward_layer_fits; a test keeps the two equal) in Python, which
+    torch.compile traces through."""
+    def gemm_fits(n, k_bytes):
+        return n > 0 and n % 64 == 0 and k_bytes > 0 and k_bytes % _DECODE_STEP_BYTES == 0
+    return (1 <= routes <= _LAYER_MAX_ROUTES and hidden % 64 == 0 and gemm_fits(2 * intermediate, hidden * weight_bytes)
+            and gemm_fits(hidden, intermediate * weight_bytes)
+            and (weight_bytes == 2 or (routes * hidden <= _DECODE_MAX_AMAX_ELEMENTS
+                                       and routes * intermediate <= _DECODE_MAX_AMAX_ELEMENTS)))
 
 
 def interleave_up_gate_sm90(w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -210,7 +225,7 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     if (x.is_cuda and num_tokens <= LAYER_MAX_TOKENS and intermediate_buffer is None and all(
             o is None for o in (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
                                 gemm2_raster_along_m))
-            and _C.moe_forward_layer_fits(num_tokens * top_k, hidden, intermediate, x.element_size())):
+            and layer_fits(num_tokens * top_k, hidden, intermediate, x.element_size())):
         # A decode token: the whole layer in one launch (moe_finalize's fixed-order combine, which
         # the fused finalize's contract allows too).
         out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)

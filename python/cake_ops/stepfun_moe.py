@@ -50,7 +50,7 @@ import torch
 
 from . import _C
 from ._experimental import warn_experimental
-from .fused_moe import default_tile_size, expected_routes, interleave_up_gate_sm90
+from .fused_moe import default_tile_size, expected_routes, interleave_up_gate_sm90, layer_fits
 
 __all__ = ["FAMILIES", "LAYER_STAGES", "Plan", "QuantizedActivations", "RoutingOutput", "StepFunMoeLaunch", "StepFunStageLaunch",
            "StepFunWeights", "default_plan", "empty_routing_output", "fc1", "fc2", "finalize", "plans_for",
@@ -269,9 +269,9 @@ def _plan(fn: str, plan: Optional[Plan], weights: StepFunWeights, hidden_states:
         layer_why = "do_finalize=False (the layer unit returns the finalized output only)"
     elif hidden_states.dtype == torch.float8_e4m3fn:
         layer_why = "float8_e4m3fn hidden states (the layer unit quantizes bfloat16 ones itself)"
-    elif hidden_states.is_cuda and not _C.moe_forward_layer_fits(num_tokens * top_k, weights.hidden,
-                                                                 weights.intermediate, weights.w1.element_size()):
-        layer_why = "these shapes (not the layer kernel's: cake_ops._C.moe_forward_layer_fits)"
+    elif hidden_states.is_cuda and not layer_fits(num_tokens * top_k, weights.hidden, weights.intermediate,
+                                                  weights.w1.element_size()):
+        layer_why = "these shapes (not the layer kernel's: cake_ops.fused_moe.layer_fits)"
     if plan is None:
         plan = default_plan(*args)
         if plan.stages == LAYER_STAGES and layer_why is not None:

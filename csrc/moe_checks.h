@@ -143,11 +143,8 @@ MoeGemm2FinalizeShape check_moe_gemm2_finalize_out(const at::Tensor& intermediat
 // w1_scale / w2_scale and optional static x_scale / fc2_scale: check_moe_gemm_input);
 // clamp_limits as check_clamp_limits; out [T, H] of x's dtype, contiguous; workspace uint8, empty
 // or moe_forward_workspace_bytes(T * top_k, H, I) bytes.
-// The layer kernel's K slices per GEMM, at most (its workspace holds their float32 sums).
-constexpr int64_t kMoeDecodeLayerMaxSlices = 8;
 inline int64_t moe_forward_workspace_bytes(int64_t routes, int64_t hidden, int64_t intermediate) {
-  // h [routes, I] 16-bit, then GEMM1's and GEMM2's slice sums [slices, routes, 2I] and [slices, routes, H]
-  return 2 * routes * intermediate + 4 * kMoeDecodeLayerMaxSlices * routes * (2 * intermediate + hidden);
+  return 2 * routes * (intermediate + hidden);  // the layer kernel's h [routes, I] and y [routes, H], 16-bit
 }
 struct MoeForwardShape {
   int64_t num_tokens = 0, top_k = 0, hidden = 0, intermediate = 0, num_local_experts = 0;

@@ -351,8 +351,7 @@ def _moe_forward_out_fake(x, token_selected_experts, token_final_scales, w1, w2,
     _check(list(out.shape) == [tokens, hidden] and out.dtype == x.dtype,
            f"{op}: out must be [num_tokens, hidden] = {[tokens, hidden]} of x's dtype {x.dtype}, got "
            f"{list(out.shape)} {out.dtype}")
-    routes = tokens * ids.shape[1]
-    need = 2 * routes * inter + 4 * 8 * routes * (2 * inter + hidden)  # moe_forward_workspace_bytes
+    need = 2 * tokens * ids.shape[1] * (inter + hidden)
     _check(workspace.dtype == torch.uint8 and workspace.dim() == 1 and
            (workspace.numel() == 0 or workspace.numel() >= need),
            f"{op}: workspace must be a uint8 tensor of 0 or at least {need} bytes, got {workspace.dtype} "

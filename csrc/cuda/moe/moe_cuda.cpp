@@ -517,6 +517,7 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
   const int64_t routes = s.num_tokens * s.top_k;
   if (aligned16(x) && aligned16(out) &&
       sm90::moe_decode_layer_fits(routes, s.hidden, s.intermediate, w1.element_size())) {
+    // The layer kernel's h [routes, I] and y [routes, H], 16-bit.
     auto scratch = workspace.numel() > 0
                        ? workspace
                        : at::empty({moe_forward_workspace_bytes(routes, s.hidden, s.intermediate)},
@@ -545,7 +546,8 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
     a.w1_scale = contiguous_ptr(w1_scale, keep[2]);
     a.w2_scale = contiguous_ptr(w2_scale, keep[3]);
     a.limits = contiguous_ptr(clamp_limits, keep[4]);
-    a.workspace = scratch.data_ptr();
+    a.h = scratch.data_ptr();
+    a.y = static_cast<uint8_t*>(scratch.data_ptr()) + routes * s.intermediate * 2;
     a.out = out.data_ptr();
     const auto element = s.fp8 ? sm90::MoeDecodeElement::kE4m3
                          : x.scalar_type() == at::kHalf ? sm90::MoeDecodeElement::kHalf

@@ -134,10 +134,6 @@ struct DecodeParams {
   int64_t a_elements = 0;                       // ... with a dynamic scale: the amax over all of a
   const float* w_scale = nullptr;
   const float* limits = nullptr;                // SwiGLUStep's per-expert limit
-  // A K slice (the layer kernel): k_bytes of K from a and w whose rows are longer. 0: k_bytes.
-  int w_pitch = 0;                              // bytes between weight rows
-  int64_t a_pitch = 0;                          // bytes between a rows
-  const uint8_t* amax_a = nullptr;              // a's start for the dynamic scale (null: a)
   void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
 };
 
@@ -237,7 +233,7 @@ __device__ float dynamic_scale(const uint8_t* a, int64_t n) {
 // own, or that of bfloat16 a quantized on the way in. All threads call it (a barrier inside).
 __device__ float a_scale_of(const DecodeParams& p) {
   if (p.a_scale) return *p.a_scale;
-  return p.quantize_a ? dynamic_scale(p.amax_a ? p.amax_a : p.a, p.a_elements) : 1.0f;
+  return p.quantize_a ? dynamic_scale(p.a, p.a_elements) : 1.0f;
 }
 
 // B's K chunk `chunk` into shared memory in wgmma's K order. kBatch segments per thread per round
@@ -252,7 +248,7 @@ __device__ void stage_b(const DecodeParams& p, const Pass& s, int chunk, float a
   const int bytes = min(s.chunk_bytes, p.k_bytes - begin);
   const int segments = bytes / 16;
   const int total = s.rows * segments;
-  const int64_t a_row_bytes = p.a_pitch ? p.a_pitch : p.quantize_a ? 2 * int64_t(p.k_bytes) : p.k_bytes;
+  const int64_t a_row_bytes = p.quantize_a ? 2 * int64_t(p.k_bytes) : p.k_bytes;
   // Quantized rows load one segment per round: batching them cost fp8 at T=1 ~5 us on the H200.
   const int batch = p.quantize_a ? 1 : kBatch;
   for (int i0 = threadIdx.x; i0 < total; i0 += batch * kThreads) {
@@ -421,14 +417,13 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
   zero(acc);
 
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  const int w_pitch = p.w_pitch ? p.w_pitch : p.k_bytes;
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, warp_rows, w_pitch, i, steps);
+  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, warp_rows, p.k_bytes, i, steps);
   if (first_pass) a_scale = a_scale_of(p);
   StepRegs regs;
   for (int step = 0; step < steps; ++step) {
     __syncwarp();  // every lane has read the slot this copy refills (step - 1's)
-    copy_step(ring_addr, warp_rows, w_pitch, step + kStages - 1, steps);
+    copy_step(ring_addr, warp_rows, p.k_bytes, step + kStages - 1, steps);
     asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // this step's copies landed
     __syncwarp();  // ... those of every lane of the warp
     read_step(regs, ring, step);

@@ -4,17 +4,13 @@
 // which the launches' ramps, tails and hand-offs are most (benchmarks/NOTES.md, session 12).
 //
 // Every route of the shard is its own row (no sort: at T=1 a token's experts are distinct). The
-// grid is co-resident (a cooperative launch) and walks four phases split by grid barriers:
-//   1. items (local route, 64 rows of w1, K slice s): P1[s][l] = alpha1 * the slice's x[t] @ w1[e].T;
-//   2. h[l] = SwiGLU(Step) of round(sum_s P1[s][l]) (up and gate);
-//   3. items (local route, 64 rows of w2, K slice s): P2[s][l] = alpha2 * the slice's h[l] @ w2[e].T;
-//   4. out[t] = sum over the token's routes, in route order, of scale * round(sum_s P2[s][l])
-//      (float32, one rounding).
-// K slices: a T=1 forward has few 64-row items (Qwen3-30B GEMM1: 192, a Kimi-K2 shard: 64) for
-// 264 CTAs, or a count just past one wave (384): split so the items fill the waves. The numbers
-// are those of moe_gemm1_swiglu -> moe_gemm2 -> moe_finalize (the same roundings and fp8 scales:
-// dynamic ones from the amax over all of x, then over all of h) but for float32's order of
-// addition across the slices; deterministic.
+// grid is co-resident (a cooperative launch) and walks three phases split by grid barriers:
+//   1. items (local route, 64 rows of w1): h[l] = SwiGLU(Step) of round(alpha1 * x[t] @ w1[e].T);
+//   2. items (local route, 64 rows of w2): y[l] = round(alpha2 * h[l] @ w2[e].T);
+//   3. out[t] = sum over the token's routes, in route order, of scale * y (float32, one rounding).
+// The numbers are those of moe_gemm1_swiglu -> moe_gemm2 -> moe_finalize on the decode kernel:
+// the same wgmma sequence per 64 weight rows, the same roundings, the same fp8 scales (dynamic
+// ones from the amax over all of x, then over all of h).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -48,8 +44,7 @@ struct LayerParams {
   const float* w2_scale = nullptr;
   const float* limits = nullptr;    // SwiGLUStep: [E_local]
   uint8_t* h = nullptr;             // [routes, I] (16-bit), local routes packed
-  float* p1 = nullptr;              // [kMaxSlices, routes, 2I] GEMM1's K-slice sums, scaled
-  float* p2 = nullptr;              // [kMaxSlices, routes, hidden] GEMM2's
+  uint8_t* y = nullptr;             // [routes, hidden] (16-bit), local routes packed
   uint8_t* out = nullptr;           // [tokens, hidden]
 };
 
@@ -85,106 +80,62 @@ __device__ void find_routes(const LayerParams& p, LayerRoutes& r) {
   __syncthreads();
 }
 
-constexpr int kMaxSlices = kMoeDecodeLayerMaxSlices;
-
-// The K slices of a GEMM phase: the fewest (1, 2, 4, 8, dividing its 256-byte steps) whose items
-// fill the grid's waves to 90%, else the best filled. Every CTA computes the same.
-__device__ int slices_for(int items, int steps) {
-  int best = 1;
-  float best_fill = 0.0f;
-  for (int s = 1; s <= kMaxSlices; s *= 2) {
-    if (steps % s != 0 || items == 0) break;
-    const int n = items * s;
-    const int waves = (n + gridDim.x - 1) / gridDim.x;
-    const float fill = float(n) / float(waves * gridDim.x);
-    if (fill > best_fill + 1e-6f) best = s, best_fill = fill;
-    if (fill >= 0.9f) break;
-  }
-  return best;
-}
-
-// Phase 1 (kSwiGLU) or 3: this CTA's items, (local route, 64 weight rows, K slice) each, one pass
-// over the slice with the route's single B row; the scaled sums go to P1 / P2.
+// Phase 1 (kSwiGLU) or 2: this CTA's items, (local route, 64 weight rows) each, one pass over the
+// 64 rows' K with the route's single B row.
 template <class T, bool kSwiGLU>
 __device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, uint8_t* ring, uint8_t* b, float* tile) {
+  using Out = DecodeMma<T>;
   DecodeParams p;
   p.n = kSwiGLU ? 2 * lp.inter : lp.hidden;
-  const int k_bytes = (kSwiGLU ? lp.hidden : lp.inter) * lp.w_bytes;
+  p.k_bytes = (kSwiGLU ? lp.hidden : lp.inter) * lp.w_bytes;
   p.w = kSwiGLU ? lp.w1 : lp.w2;
   p.quantize_a = lp.w_bytes == 1;  // fp8 weights take 16-bit activations quantized on the way in
-  const uint8_t* a = kSwiGLU ? lp.x : lp.h;
-  p.amax_a = a;
-  p.a_pitch = int64_t(kSwiGLU ? lp.hidden : lp.inter) * 2;  // 16-bit a rows
+  p.a = kSwiGLU ? lp.x : lp.h;
   p.a_scale = kSwiGLU ? lp.x_scale : lp.fc2_scale;
   p.a_elements = int64_t(kSwiGLU ? lp.tokens : r.count) * (kSwiGLU ? lp.hidden : lp.inter);
   p.w_scale = kSwiGLU ? lp.w1_scale : lp.w2_scale;
-  p.w_pitch = k_bytes;
-  float* sums = kSwiGLU ? lp.p1 : lp.p2;
   const int tiles = p.n / kTileM;
-  const int slices = slices_for(r.count * tiles, k_bytes / kMoeDecodeStepBytes);
-  p.k_bytes = k_bytes / slices;
-  const int64_t slice_stride = int64_t(r.count) * p.n;  // P[s] of the routes kept
+  const int items = r.count * tiles;
   float a_scale = 1.0f;
   bool first = true;
-  for (int item = blockIdx.x; item < r.count * tiles * slices; item += gridDim.x) {
-    const int s = item % slices, m_tile = (item / slices) % tiles, l = item / slices / tiles;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int l = item / tiles, m_tile = item % tiles;
     const int e = r.expert[l];
     const int64_t a_row = kSwiGLU ? r.index[l] / lp.top_k : l;
-    p.a = a + int64_t(s) * p.k_bytes * (p.quantize_a ? 2 : 1);  // the slice's first element, 16-bit
-    const Pass pass = make_pass(p, a_row, a_row + 1);
-    const uint8_t* warp_rows =
-        p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * (threadIdx.x / 32)) * k_bytes + int64_t(s) * p.k_bytes;
-    // Phase 3's B rows (h) were written in this kernel: loaded through L2.
-    pass_product<T, false, 1, !kSwiGLU>(p, pass, warp_rows, first, a_scale, ring, b, tile);
+    const Pass s = make_pass(p, a_row, a_row + 1);
+    const uint8_t* warp_rows = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * (threadIdx.x / 32)) * p.k_bytes;
+    // Phase 2's B rows (h) were written in this kernel: loaded through L2.
+    pass_product<T, false, 1, !kSwiGLU>(p, s, warp_rows, first, a_scale, ring, b, tile);
     first = false;
     const float alpha = a_scale * (p.w_scale ? p.w_scale[e] : 1.0f);
-    if (threadIdx.x < kTileM) {  // tile column 0 is the route's row
-      sums[s * slice_stride + int64_t(l) * p.n + m_tile * kTileM + threadIdx.x] =
-          alpha * tile[threadIdx.x * kTilePitch];
-    }
-  }
-}
-
-// The sum of a GEMM's K-slice partial sums, in slice order; slices as the GEMM phase chose them.
-__device__ __forceinline__ float slice_sum(const float* sums, int slices, int64_t slice_stride, int64_t at) {
-  float v = __ldcg(sums + at);
-  for (int s = 1; s < slices; ++s) v = __fadd_rn(v, __ldcg(sums + s * slice_stride + at));
-  return v;
-}
-
-// Phase 2: h[l][j] = SwiGLU(Step)(round(up), round(gate)), w1's rows interleaved at 32 (64-row
-// tile m: up rows 0-31, gate 32-63 for columns 32m..32m+31).
-template <class T>
-__device__ void layer_swiglu(const LayerParams& p, const LayerRoutes& r) {
-  using Out = DecodeMma<T>;
-  const int n = 2 * p.inter;
-  const int slices = slices_for(r.count * (n / kTileM), p.hidden * p.w_bytes / kMoeDecodeStepBytes);
-  const int64_t stride = int64_t(r.count) * n;
-  for (int i = blockIdx.x * kThreads + threadIdx.x; i < r.count * p.inter / 2; i += gridDim.x * kThreads) {
-    const int l = i / (p.inter / 2), j = 2 * (i % (p.inter / 2));
-    const int e = r.expert[l];
-    const float limit = p.limits ? p.limits[e] : 0.0f;
-    float v[2];
+    if constexpr (kSwiGLU) {
+      // tile column 0 is the route's row: weight rows 0-31 up, 32-63 gate (interleaved at 32).
+      const float limit = lp.limits ? lp.limits[e] : 0.0f;
+      if (threadIdx.x < 16) {
+        const int j = 2 * threadIdx.x;
+        float v[2];
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int64_t row = int64_t(l) * n + ((j + c) / 32) * kTileM + (j + c) % 32;
-      const float up = Out::round(slice_sum(p.p1, slices, stride, row));
-      const float gate = Out::round(slice_sum(p.p1, slices, stride, row + 32));
-      v[c] = swiglu_value(up, gate, p.limits != nullptr, limit);
+        for (int c = 0; c < 2; ++c) {
+          const float up = Out::round(alpha * tile[(j + c) * kTilePitch]);
+          const float gate = Out::round(alpha * tile[(32 + j + c) * kTilePitch]);
+          v[c] = swiglu_value(up, gate, lp.limits != nullptr, limit);
+        }
+        Out::store2(lp.h + (int64_t(l) * lp.inter + m_tile * 32 + j) * 2, v[0], v[1]);
+      }
+    } else if (threadIdx.x < 32) {
+      const int j = 2 * threadIdx.x;
+      Out::store2(lp.y + (int64_t(l) * lp.hidden + m_tile * kTileM + j) * 2, alpha * tile[j * kTilePitch],
+                  alpha * tile[(j + 1) * kTilePitch]);
     }
-    Out::store2(p.h + (int64_t(l) * p.inter + j) * 2, v[0], v[1]);
   }
 }
 
-// Phase 4: out[t] = sum_j scales[t, j] * y[local_of[t * top_k + j]] over the kept routes, float32
-// in route order, one rounding (moe_finalize's numbers), y = GEMM2's row rounded to 16 bits.
-// 8 columns per thread.
+// Phase 3: out[t] = sum_j scales[t, j] * y[local_of[t * top_k + j]] over the kept routes, float32
+// in route order, one rounding (moe_finalize's numbers). 8 columns per thread.
 template <class T>
 __device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
   using Out = DecodeMma<T>;
   const int vecs = p.hidden / 8;
-  const int slices = slices_for(r.count * (p.hidden / kTileM), p.inter * p.w_bytes / kMoeDecodeStepBytes);
-  const int64_t stride = int64_t(r.count) * p.hidden;
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < p.tokens * vecs; i += gridDim.x * kThreads) {
     const int t = i / vecs, v = i % vecs;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -193,10 +144,13 @@ __device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
       const int l = r.local_of[route];
       if (l < 0) continue;
       const float scale = p.scales[route];
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + (int64_t(l) * p.hidden + 8 * v) * 2));
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float y = Out::round(slice_sum(p.p2, slices, stride, int64_t(l) * p.hidden + 8 * v + q));
-        acc[q] = __fadd_rn(acc[q], __fmul_rn(scale, y));
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = Out::unpack2(words[q]);
+        acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(scale, f.x));
+        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(scale, f.y));
       }
     }
     uint8_t* dst = p.out + (int64_t(t) * p.hidden + 8 * v) * 2;
@@ -217,8 +171,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerPara
   find_routes(p, routes);
   auto grid = cooperative_groups::this_grid();
   layer_gemm<T, true>(p, routes, ring, b, tile);
-  grid.sync();
-  layer_swiglu<T>(p, routes);
   grid.sync();  // h complete (and its amax final) before any GEMM2 B row is staged
   layer_gemm<T, false>(p, routes, ring, b, tile);
   grid.sync();
@@ -237,7 +189,7 @@ void launch_layer(const LayerParams& p, cudaStream_t stream, bool pdl) {
   // As many CTAs as are resident at once (the grid barriers need them all), fewer if the largest
   // phase has fewer items.
   const int64_t routes = int64_t(p.tokens) * p.top_k;  // an upper bound on the kept routes
-  const int64_t items = routes * std::max(2 * p.inter, p.hidden) / kTileM * kMaxSlices;
+  const int64_t items = routes * std::max(2 * p.inter, p.hidden) / kTileM;
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * per_sm, items)));
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(ctas);
@@ -281,10 +233,8 @@ void moe_decode_layer(const MoeDecodeLayerArgs& a, MoeDecodeElement element, cud
   p.w1_scale = a.w1_scale;
   p.w2_scale = a.w2_scale;
   p.limits = a.limits;
-  p.h = static_cast<uint8_t*>(a.workspace);
-  const int64_t routes = a.tokens * a.top_k;
-  p.p1 = reinterpret_cast<float*>(p.h + routes * a.inter * 2);
-  p.p2 = p.p1 + kMaxSlices * routes * 2 * a.inter;
+  p.h = static_cast<uint8_t*>(a.h);
+  p.y = static_cast<uint8_t*>(a.y);
   p.out = static_cast<uint8_t*>(a.out);
   switch (element) {
     case MoeDecodeElement::kBFloat16:

@@ -112,8 +112,7 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
 // A whole MoE layer for a decode batch in one cooperative launch (moe_decode_layer_sm90.cu): every
 // kept route of x's tokens through GEMM1 + SwiGLU(Step) into h, GEMM2 into y, then out [tokens,
 // hidden] = the fixed-order float32 combine: the numbers of moe_gemm1_swiglu -> moe_gemm2 ->
-// moe_finalize but for the order of float32 additions across K slices. The workspace holds h
-// [routes, I] (16-bit) and both GEMMs' K-slice sums (float32): moe_forward_workspace_bytes.
+// moe_finalize. h [routes, I] and y [routes, hidden] (16-bit) are caller-owned scratch.
 constexpr int64_t kMoeDecodeLayerMaxRoutes = 64;
 struct MoeDecodeLayerArgs {
   const void* x = nullptr;  // [tokens, hidden] 16-bit (bfloat16 for e4m3 weights: quantized on the way in)
@@ -132,7 +131,8 @@ struct MoeDecodeLayerArgs {
   const float* w1_scale = nullptr;   // fp8: [E_local]
   const float* w2_scale = nullptr;
   const float* limits = nullptr;     // SwiGLUStep: [E_local]
-  void* workspace = nullptr;  // 16-byte aligned
+  void* h = nullptr;
+  void* y = nullptr;
   void* out = nullptr;
 };
 // Whether the layer kernel takes this shape: routes <= kMoeDecodeLayerMaxRoutes, both GEMMs fit the

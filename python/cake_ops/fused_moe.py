@@ -45,7 +45,8 @@ _NAME = "cake_ops.fused_moe_bf16"
 
 # Tokens up to which a CUDA forward runs as one moe_forward_out launch (the layer kernel), when it
 # takes the shapes and no buffer or tile override asks for the staged ops (H200: benchmarks/NOTES.md,
-# session 12). Benchmarks set 0 to time the staged ops on the same build.
+# session 12); StepFun's default plan follows the same rule. Benchmarks set 0 to time the staged ops
+# on the same build.
 LAYER_MAX_TOKENS = 1
 _LAYER_MAX_ROUTES = 64  # kMoeDecodeLayerMaxRoutes
 _DECODE_STEP_BYTES = 256  # kMoeDecodeStepBytes

@@ -49,6 +49,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import _C
+from . import fused_moe
 from ._experimental import warn_experimental
 from .fused_moe import default_tile_size, expected_routes, interleave_up_gate_sm90, layer_fits
 
@@ -64,8 +65,6 @@ STAGES = ("routing", "fc1", "requant", "fc2", "finalize")
 # The decode plan's units: routing, then fc1 + requant + fc2 + finalize as one unit
 # (torch.ops.cake.moe_forward_out: on CUDA one launch of the layer kernel, same numbers).
 LAYER_STAGES = ("routing", "layer")
-# Tokens up to which the default plan is the layer plan (H200, benchmarks/NOTES.md session 12).
-_LAYER_MAX_TOKENS = 1
 
 
 def _fail(fn: str, message: str, error=ValueError):
@@ -124,7 +123,7 @@ def default_plan(family: str, num_tokens: int, top_k: int, num_local_experts: in
     """The family's plan with the tile rule of fused_moe_bf16 (64 below 64 rows per expert); fp8
     at decode sizes folds requant into fc2; a decode token (T=1) runs the layer plan."""
     _check_family("default_plan", family)
-    if num_tokens <= _LAYER_MAX_TOKENS:
+    if num_tokens <= fused_moe.LAYER_MAX_TOKENS:  # fused_moe_bf16's rule for the same kernel
         return Plan(family, 64, LAYER_STAGES)
     return _staged_plan(family, num_tokens, top_k, num_local_experts, intermediate)
 
@@ -264,7 +263,9 @@ def _plan(fn: str, plan: Optional[Plan], weights: StepFunWeights, hidden_states:
     and on CUDA shapes the layer kernel does not take)."""
     num_tokens = hidden_states.shape[0]
     args = (weights.family, num_tokens, top_k, weights.num_local_experts, weights.intermediate)
-    layer_why = None
+    # Why the layer unit cannot run here, if it cannot; a one-shot call may still run its four-op
+    # composition for shapes the kernel does not take (a prepared launch may not: it allocates).
+    layer_why, composition_runs = None, False
     if not do_finalize:
         layer_why = "do_finalize=False (the layer unit returns the finalized output only)"
     elif hidden_states.dtype == torch.float8_e4m3fn:
@@ -272,14 +273,14 @@ def _plan(fn: str, plan: Optional[Plan], weights: StepFunWeights, hidden_states:
     elif hidden_states.is_cuda and not layer_fits(num_tokens * top_k, weights.hidden, weights.intermediate,
                                                   weights.w1.element_size()):
         layer_why = "these shapes (not the layer kernel's: cake_ops.fused_moe.layer_fits)"
+        composition_runs = not prepared
     if plan is None:
         plan = default_plan(*args)
         if plan.stages == LAYER_STAGES and layer_why is not None:
             plan = _staged_plan(*args)
     if plan.family != weights.family:
         _fail(fn, f"the plan is for the {plan.family!r} family, the weights are {weights.family!r}")
-    # One-shot calls may run the layer unit's four-op composition; prepared launches may not (it allocates).
-    if plan.stages == LAYER_STAGES and layer_why is not None and (prepared or not layer_why.startswith("these")):
+    if plan.stages == LAYER_STAGES and layer_why is not None and not composition_runs:
         _fail(fn, f"the layer plan cannot run with {layer_why}; pass a staged plan (plans_for)")
     return plan
 

@@ -562,8 +562,7 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
   const auto h = moe_gemm1_swiglu_cuda(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1,
                                        x_scale, w1_scale, -1);
   const auto rows = moe_gemm2_cuda(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, -1);
-  const auto fin = check_moe_finalize(rows, std::get<3>(sorted), scales, op);
-  finalize_into(rows, std::get<3>(sorted), scales, fin, out, enable_pdl, op);
+  moe_finalize_out_cuda(rows, std::get<3>(sorted), scales, out, enable_pdl);
 }
 
 }  // namespace

@@ -185,7 +185,7 @@ void launch_layer(const LayerParams& p, cudaStream_t stream, bool pdl) {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmemBytes));
-  TORCH_CHECK(per_sm >= 1, "cake::moe_decode_layer_out: the layer kernel does not fit on an SM (internal error)");
+  TORCH_CHECK(per_sm >= 1, "cake::moe_forward_out: the layer kernel does not fit on an SM (internal error)");
   // As many CTAs as are resident at once (the grid barriers need them all), fewer if the largest
   // phase has fewer items.
   const int64_t routes = int64_t(p.tokens) * p.top_k;  // an upper bound on the kept routes

@@ -366,4 +366,24 @@ MoeForwardShape check_moe_forward_out(const at::Tensor& x, const at::Tensor& tok
   return s;
 }
 
+MoeForwardShape check_moe_forward_from_logits_out(
+    const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w1, const at::Tensor& w2,
+    int64_t local_expert_offset, const at::Tensor& token_selected_experts, const at::Tensor& token_final_scales,
+    const at::Tensor& out, const at::Tensor& workspace, const c10::optional<at::Tensor>& clamp_limits,
+    const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
+    const c10::optional<at::Tensor>& fc2_scale, const c10::optional<at::Tensor>& w2_scale, const char* op) {
+  const auto s = check_moe_forward_out(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
+                                       workspace, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale, op);
+  TORCH_CHECK(router_logits.dim() == 2 && router_logits.size(0) == s.num_tokens, op,
+              ": router_logits must be [num_tokens = ", s.num_tokens, ", num_experts], got shape ",
+              router_logits.sizes());
+  TORCH_CHECK(router_logits.device() == x.device(), op, ": router_logits must be on x's device ", x.device(),
+              ", got ", router_logits.device());
+  check_moe_routing(router_logits, c10::nullopt, c10::nullopt, s.top_k, router_logits.size(1), s.num_local_experts,
+                    local_expert_offset, /*tile_size=*/64, op);
+  TORCH_CHECK(token_selected_experts.is_contiguous() && token_final_scales.is_contiguous(), op,
+              ": token_selected_experts and token_final_scales (the routing's outputs) must be contiguous");
+  return s;
+}
+
 }  // namespace cake

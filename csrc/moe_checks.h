@@ -159,4 +159,14 @@ MoeForwardShape check_moe_forward_out(const at::Tensor& x, const at::Tensor& tok
                                       const c10::optional<at::Tensor>& fc2_scale,
                                       const c10::optional<at::Tensor>& w2_scale, const char* op);
 
+// moe_forward_from_logits_out: moe_forward_out's tensors, token_selected_experts and
+// token_final_scales contiguous (written: the routing's results), router_logits [T, E] on x's device
+// as check_moe_routing takes them for the shard [local_expert_offset, + E_local).
+MoeForwardShape check_moe_forward_from_logits_out(
+    const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w1, const at::Tensor& w2,
+    int64_t local_expert_offset, const at::Tensor& token_selected_experts, const at::Tensor& token_final_scales,
+    const at::Tensor& out, const at::Tensor& workspace, const c10::optional<at::Tensor>& clamp_limits,
+    const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
+    const c10::optional<at::Tensor>& fc2_scale, const c10::optional<at::Tensor>& w2_scale, const char* op);
+
 }  // namespace cake

@@ -695,3 +695,116 @@ class TestMoeForwardErrors(expecttest.TestCase):
         w2q, _ = quantize_per_expert(w2)
         self.assertExpectedInline(self.error(x, ids, scales, w1q, w2q, 0, out, ws), """cake::moe_forward_out: float8_e4m3fn w1 needs its scales (one per local expert)""")
         self.assertExpectedInline(self.error(x, ids, scales, w1q, w2q, 0, out, ws, w1_scale=w1s), """cake::moe_forward_out: float8_e4m3fn w2 needs its scales (one per local expert)""")
+
+
+# ---- moe_forward_from_logits_out: the Renormalize routing, then the layer (StepFun's decode) ----
+def logits_problem(case, dtype, logits_dtype, device, num_experts=None):
+    """forward_problem's layer with router logits [T, E] in place of the routes: coarse values so
+    that ties (to the lower id) occur, and a NaN (never picked)."""
+    args, opt, (_, offset, _) = forward_problem(case, dtype, True, False, device)
+    t, k = args[1].shape
+    e = num_experts or FORWARD_CASES[case][2]
+    logits = torch.round(4 * torch.randn(t, e)) / 4
+    if t and e > k:
+        logits[0, e - 1] = float("nan")
+    return args, opt, offset, logits.to(logits_dtype).to(device)
+
+
+def from_logits_out(args, opt, offset, logits, workspace=None):
+    """(out, ids, weights) of moe_forward_from_logits_out."""
+    x, ids, _, w1, w2 = args
+    out = torch.full_like(x, float("nan"))
+    routed_ids, routed_weights = torch.full_like(ids, -7), torch.full(ids.shape, float("nan"), device=x.device)
+    ws = torch.empty(0, dtype=torch.uint8, device=x.device) if workspace is None else workspace
+    torch.ops.cake.moe_forward_from_logits_out(x, logits, w1, w2, offset, routed_ids, routed_weights, out, ws, True,
+                                               **opt)
+    return out, routed_ids, routed_weights
+
+
+def routed_then_forward(args, opt, offset, logits):
+    """moe_routing, then moe_forward_out on its ids and weights, as separate ops."""
+    x, ids, _, w1, w2 = args
+    e_local = w1.shape[0]
+    routed = torch.ops.cake.moe_routing(logits, None, None, ids.shape[1], logits.shape[1], e_local, offset, 64)
+    return forward_out([x, routed[0], routed[1], w1, w2], opt, offset), routed[0], routed[1]
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_moe_forward_from_logits_is_routing_then_forward(case, dtype, logits_dtype):
+    """On every device: bit for bit moe_routing then moe_forward_out (on CUDA the layer kernel routes
+    in each CTA with the routing kernel's code where it takes the shape), routing outputs included."""
+    for device in ["cpu"] + (["cuda"] if HAS_CUDA else []):
+        args, opt, offset, logits = logits_problem(case, dtype, logits_dtype, device)
+        got = from_logits_out(args, opt, offset, logits)
+        want = routed_then_forward(args, opt, offset, logits)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), device
+
+
+@cuda_only
+@pytest.mark.parametrize("num_experts", [8, 100, 288, 1024])
+def test_moe_forward_from_logits_expert_counts(num_experts):
+    """Every experts-per-lane variant of the in-kernel routing (2 to 32 logits per lane), float16
+    logits, against the routing kernel; a shard of 16 experts inside the range."""
+    args, opt, offset, logits = logits_problem("three_tokens", torch.bfloat16, torch.float16, "cuda", num_experts)
+    args[1].copy_(torch.zeros_like(args[1]))  # unused: the routes come from the logits
+    offset = min(offset, num_experts - args[3].shape[0]) if num_experts >= args[3].shape[0] else None
+    if offset is None:  # fewer experts than the shard: the shard's weights cut to the experts
+        args[3], args[4] = args[3][:num_experts].contiguous(), args[4][:num_experts].contiguous()
+        opt["clamp_limits"] = opt["clamp_limits"][:num_experts].contiguous()
+        offset = 0
+    got = from_logits_out(args, opt, offset, logits)
+    want = routed_then_forward(args, opt, offset, logits)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@cuda_only
+def test_moe_forward_from_logits_graph_replay():
+    """Captured once; new logits and hidden states written into the bound tensors; replayed."""
+    args, opt, offset, logits = logits_problem("one_token", torch.float8_e4m3fn, torch.float32, "cuda")
+    x, ids, _, w1, w2 = args
+    out, routed_ids, routed_weights = torch.empty_like(x), torch.empty_like(ids), torch.empty(ids.shape, device="cuda")
+    ws = torch.empty(cake_ops._C.moe_forward_workspace_size(8, 512, 256), dtype=torch.uint8, device="cuda")
+    run = lambda: torch.ops.cake.moe_forward_from_logits_out(  # noqa: E731
+        x, logits, w1, w2, offset, routed_ids, routed_weights, out, ws, True, **opt)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        x.copy_(12 * torch.randn_like(x, dtype=torch.float32))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        want = routed_then_forward(args, opt, offset, logits)
+        for g, w in zip((out, routed_ids, routed_weights), want):
+            assert torch.equal(g, w)
+
+
+def test_moe_forward_from_logits_opcheck():
+    args, opt, offset, logits = logits_problem("three_tokens", torch.bfloat16, torch.float32, "cpu")
+    x, ids, scales, w1, w2 = args
+    torch.library.opcheck(torch.ops.cake.moe_forward_from_logits_out,
+                          (x, logits, w1, w2, offset, torch.empty_like(ids), torch.empty_like(scales),
+                           torch.empty_like(x), torch.empty(0, dtype=torch.uint8)), opt)
+
+
+class TestMoeForwardFromLogitsErrors(expecttest.TestCase):
+    def error(self, *args):
+        with self.assertRaises(RuntimeError) as ctx:
+            torch.ops.cake.moe_forward_from_logits_out(*args)
+        return str(ctx.exception).split("\n")[0]
+
+    def test_errors(self):
+        args, _, _, logits = logits_problem("three_tokens", torch.bfloat16, torch.float32, "cpu")
+        x, ids, scales, w1, w2 = args
+        out, ws = torch.empty_like(x), torch.empty(0, dtype=torch.uint8)
+        self.assertExpectedInline(self.error(x, logits[:2], w1, w2, 0, ids, scales, out, ws), """cake::moe_forward_from_logits_out: router_logits must be [num_tokens = 3, num_experts], got shape [2, 16]""")
+        self.assertExpectedInline(self.error(x, logits.double(), w1, w2, 0, ids, scales, out, ws), """cake::moe_forward_from_logits_out: router_logits must be float32, bfloat16 or float16, got Double""")
+        self.assertExpectedInline(self.error(x, logits[:, :2], w1, w2, 0, ids, scales, out, ws), """cake::moe_forward_from_logits_out: top_k must be in [1, num_experts=2], got 4""")
+        self.assertExpectedInline(self.error(x, logits, w1, w2, 8, ids, scales, out, ws), """cake::moe_forward_from_logits_out: the shard [local_expert_offset, local_expert_offset + num_local_experts) = [8, 24) must lie within [0, num_experts=16)""")
+        self.assertExpectedInline(self.error(x, logits, w1, w2, 0, ids.t().contiguous().t(), scales, out, ws), """cake::moe_forward_from_logits_out: token_selected_experts and token_final_scales (the routing's outputs) must be contiguous""")
+        self.assertExpectedInline(self.error(x, logits, w1, w2, 0, ids, scales.double(), out, ws), """cake::moe_forward_from_logits_out: token_final_scales must be float32 [3, 4], got Double [3, 4]""")

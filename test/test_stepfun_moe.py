@@ -351,6 +351,16 @@ def test_layer_plan_is_bitwise_the_staged_plan(device, family, shard):
     got = sm.stepfun_moe(x, weights, logits, top_k=k)
     assert torch.equal(got, want)
     assert torch.equal(sm.prepare_stepfun_moe(x, weights, logits, top_k=k).launch(), want)
+    # UnpackedPrecomputed: the ids and weights go to the layer op as they are (no routing launch).
+    routed = sm.routing(logits, top_k=k, num_experts=e)
+    pre = dict(topk_ids=routed.expert_ids, topk_weights=routed.expert_weights, top_k=k)
+    assert torch.equal(sm.stepfun_moe(x, weights, **pre), want)
+    assert torch.equal(sm.prepare_stepfun_moe(x, weights, **pre).launch(), want)
+    with pytest.raises(ValueError, match=rf"topk_ids must be \[num_tokens, top_k={k}\]"):
+        sm.stepfun_moe(x, weights, topk_ids=routed.expert_ids[:, 1:], topk_weights=routed.expert_weights[:, 1:],
+                       top_k=k)
+    with pytest.raises(ValueError, match="router_logits must be"):
+        sm.stepfun_moe(x, weights, logits[:, :-1], top_k=k)
     # What the layer unit cannot do falls back to the staged plan by default, and is an error if asked.
     rows, expert_weights, e2p = sm.stepfun_moe(x, weights, logits, top_k=k, do_finalize=False)
     assert torch.equal(sm.finalize(rows, expert_weights, e2p), want)
@@ -440,9 +450,10 @@ def test_prepared_launch_allocates_nothing_and_replays_in_a_graph(family, t):
 
 
 @families
-def test_compiles_fullgraph(family):
+@pytest.mark.parametrize("t", [1, 8])  # T=1: the layer plan (moe_forward_from_logits_out)
+def test_compiles_fullgraph(family, t):
     hidden, inter, e, k, _ = geometry("cpu")
-    x, logits, w1, w2 = make("cpu", 8, hidden, inter, e, k)
+    x, logits, w1, w2 = make("cpu", t, hidden, inter, e, k)
     weights = sm.prepare_weights(w1, w2, 7.0, family=family)
 
     def forward(x, logits):
@@ -471,9 +482,10 @@ def test_cuda_graph_replay_with_new_logits(family):
 @cuda_only
 @families
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_compiles_fullgraph_on_gpu(mode, family):
+@pytest.mark.parametrize("t", [1, 64])
+def test_compiles_fullgraph_on_gpu(mode, family, t):
     hidden, inter, e, k, _ = geometry("cuda")
-    x, logits, w1, w2 = make("cuda", 64, hidden, inter, e, k)
+    x, logits, w1, w2 = make("cuda", t, hidden, inter, e, k)
     weights = sm.prepare_weights(w1, w2, limits_for("mixed", e).cuda(), family=family)
 
     def forward(x, logits):

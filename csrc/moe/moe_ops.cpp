@@ -265,6 +265,24 @@ void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_exper
   out.copy_(moe_finalize(rows, std::get<3>(sorted), token_final_scales, enable_pdl));
 }
 
+void moe_forward_from_logits_out(const at::Tensor& x, const at::Tensor& router_logits, const at::Tensor& w1,
+                                 const at::Tensor& w2, int64_t local_expert_offset, at::Tensor token_selected_experts,
+                                 at::Tensor token_final_scales, at::Tensor out, at::Tensor workspace, bool enable_pdl,
+                                 const c10::optional<at::Tensor>& clamp_limits,
+                                 const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
+                                 const c10::optional<at::Tensor>& fc2_scale,
+                                 const c10::optional<at::Tensor>& w2_scale) {
+  const auto s = check_moe_forward_from_logits_out(x, router_logits, w1, w2, local_expert_offset, token_selected_experts,
+                                                   token_final_scales, out, workspace, clamp_limits, x_scale, w1_scale,
+                                                   fc2_scale, w2_scale, "cake::moe_forward_from_logits_out");
+  const auto routed = moe_routing(router_logits, c10::nullopt, c10::nullopt, s.top_k, router_logits.size(1),
+                                  s.num_local_experts, local_expert_offset, /*tile_size=*/64);
+  token_selected_experts.copy_(std::get<0>(routed));
+  token_final_scales.copy_(std::get<1>(routed));
+  moe_forward_out(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out, workspace,
+                  enable_pdl, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale);
+}
+
 TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_sort", &moe_sort);
   m.impl("moe_routing", &moe_routing);
@@ -279,6 +297,7 @@ TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("moe_finalize_out", &moe_finalize_out);
   m.impl("moe_gemm2_finalize_out", &moe_gemm2_finalize_out);
   m.impl("moe_forward_out", &moe_forward_out);
+  m.impl("moe_forward_from_logits_out", &moe_forward_from_logits_out);
 }
 
 }  // namespace cake

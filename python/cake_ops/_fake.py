@@ -319,12 +319,9 @@ def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_
            f"{list(out.shape)} {out.dtype}")
 
 
-@register_fake("cake::moe_forward_out")
-def _moe_forward_out_fake(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
-                          workspace, enable_pdl=True, clamp_limits=None, x_scale=None, w1_scale=None, fc2_scale=None,
-                          w2_scale=None):
-    op = "cake::moe_forward_out"
-    ids, scales = token_selected_experts, token_final_scales
+def _check_moe_forward(op, x, ids, scales, w1, w2, local_expert_offset, out, workspace, clamp_limits, x_scale,
+                       w1_scale, fc2_scale, w2_scale):
+    """check_moe_forward_out's checks (moe_checks.cpp)."""
     _check(x.dim() == 2, f"{op}: x must be a 2-D [num_tokens, hidden] tensor, got shape {list(x.shape)}")
     _check(x.dtype in (torch.bfloat16, torch.float16), f"{op}: x must be bfloat16 or float16, got {x.dtype}")
     tokens, hidden = x.shape
@@ -356,3 +353,32 @@ def _moe_forward_out_fake(x, token_selected_experts, token_final_scales, w1, w2,
            (workspace.numel() == 0 or workspace.numel() >= need),
            f"{op}: workspace must be a uint8 tensor of 0 or at least {need} bytes, got {workspace.dtype} "
            f"{list(workspace.shape)}")
+    return ids.shape[1], num_local
+
+
+@register_fake("cake::moe_forward_out")
+def _moe_forward_out_fake(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
+                          workspace, enable_pdl=True, clamp_limits=None, x_scale=None, w1_scale=None, fc2_scale=None,
+                          w2_scale=None):
+    _check_moe_forward("cake::moe_forward_out", x, token_selected_experts, token_final_scales, w1, w2,
+                       local_expert_offset, out, workspace, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale)
+
+
+@register_fake("cake::moe_forward_from_logits_out")
+def _moe_forward_from_logits_out_fake(x, router_logits, w1, w2, local_expert_offset, token_selected_experts,
+                                      token_final_scales, out, workspace, enable_pdl=True, clamp_limits=None,
+                                      x_scale=None, w1_scale=None, fc2_scale=None, w2_scale=None):
+    op = "cake::moe_forward_from_logits_out"
+    top_k, num_local = _check_moe_forward(op, x, token_selected_experts, token_final_scales, w1, w2,
+                                          local_expert_offset, out, workspace, clamp_limits, x_scale, w1_scale,
+                                          fc2_scale, w2_scale)
+    _check(router_logits.dim() == 2 and router_logits.shape[0] == x.shape[0],
+           f"{op}: router_logits must be [num_tokens = {x.shape[0]}, num_experts], got shape "
+           f"{list(router_logits.shape)}")
+    _check(router_logits.dtype in (torch.float32, torch.bfloat16, torch.float16),
+           f"{op}: router_logits must be float32, bfloat16 or float16, got {router_logits.dtype}")
+    num_experts = router_logits.shape[1]
+    _check(1 <= top_k <= num_experts, f"{op}: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    _check(local_expert_offset + num_local <= num_experts,
+           f"{op}: the shard [local_expert_offset, + E_local) = [{local_expert_offset}, "
+           f"{local_expert_offset + num_local}) must lie in [0, num_experts={num_experts})")

@@ -62,8 +62,9 @@ _FEATURE = "cake_ops.stepfun_moe"
 FAMILIES = ("bf16", "fp8", "nvfp4", "nvfp4_bf16tok", "mxfp8")
 RUNNABLE_FAMILIES = ("bf16", "fp8")
 STAGES = ("routing", "fc1", "requant", "fc2", "finalize")
-# The decode plan's units: routing, then fc1 + requant + fc2 + finalize as one unit
-# (torch.ops.cake.moe_forward_out: on CUDA one launch of the layer kernel, same numbers).
+# The decode plan: routing, fc1, requant, fc2 and finalize as one unit (torch.ops.cake.
+# moe_forward_from_logits_out, or moe_forward_out for precomputed top-k: on CUDA one launch of the
+# layer kernel, the routing inside it; the staged ops' numbers).
 LAYER_STAGES = ("routing", "layer")
 
 
@@ -285,14 +286,32 @@ def _plan(fn: str, plan: Optional[Plan], weights: StepFunWeights, hidden_states:
     return plan
 
 
-def _layer(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOutput, out: torch.Tensor,
-           workspace: torch.Tensor, enable_pdl: bool) -> None:
-    """The layer unit: fc1 -> requant -> fc2 -> finalize in one op (moe_forward_out), into out."""
+def _check_layer_routing(fn: str, router_logits, topk_ids, topk_weights, top_k: int, weights: StepFunWeights) -> None:
+    """What the layer ops cannot see: they take E from the logits and top_k from the ids' width."""
+    _check_routing_inputs(fn, router_logits, topk_ids, topk_weights)
+    if router_logits is not None and (router_logits.dim() != 2 or router_logits.shape[1] != weights.num_experts):
+        _fail(fn, f"router_logits must be [num_tokens, num_experts={weights.num_experts}], got "
+                  f"{list(router_logits.shape)}")
+    if router_logits is None and (topk_ids.dim() != 2 or topk_ids.shape[1] != top_k):
+        _fail(fn, f"topk_ids must be [num_tokens, top_k={top_k}], got {list(topk_ids.shape)}")
+
+
+def _layer(hidden_states: torch.Tensor, weights: StepFunWeights, router_logits: Optional[torch.Tensor],
+           topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], routed_ids: torch.Tensor,
+           routed_weights: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor, enable_pdl: bool) -> None:
+    """The layer unit into out: from logits, routing -> fc1 -> requant -> fc2 -> finalize in one op
+    (moe_forward_from_logits_out; the routing's ids and weights into routed_ids / routed_weights);
+    precomputed top-k ids and weights go to moe_forward_out as they are (no routing launch)."""
     fp8 = weights.family == "fp8"
-    torch.ops.cake.moe_forward_out(hidden_states, routed.expert_ids, routed.expert_weights, weights.w1, weights.w2,
-                                   weights.local_expert_offset, out, workspace, enable_pdl, weights.gemm1_clamp_limit,
-                                   weights.fc1_input_scale if fp8 else None, weights.w1_scale,
-                                   weights.fc2_input_scale if fp8 else None, weights.w2_scale)
+    quantization = (weights.gemm1_clamp_limit, weights.fc1_input_scale if fp8 else None, weights.w1_scale,
+                    weights.fc2_input_scale if fp8 else None, weights.w2_scale)
+    if router_logits is not None:
+        torch.ops.cake.moe_forward_from_logits_out(hidden_states, router_logits, weights.w1, weights.w2,
+                                                   weights.local_expert_offset, routed_ids, routed_weights, out,
+                                                   workspace, enable_pdl, *quantization)
+    else:
+        torch.ops.cake.moe_forward_out(hidden_states, topk_ids, topk_weights, weights.w1, weights.w2,
+                                       weights.local_expert_offset, out, workspace, enable_pdl, *quantization)
 
 
 def _check_weights(fn: str, weights) -> StepFunWeights:
@@ -457,13 +476,17 @@ def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_log
     weights = _check_weights("stepfun_moe", weights)
     _check_hidden_states("stepfun_moe", hidden_states, weights, hidden_states_scale)
     plan = _plan("stepfun_moe", plan, weights, hidden_states, top_k, do_finalize)
+    if plan.stages == LAYER_STAGES:
+        _check_layer_routing("stepfun_moe", router_logits, topk_ids, topk_weights, top_k, weights)
+        out = hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
+        routed_ids = hidden_states.new_empty((hidden_states.shape[0], top_k), dtype=torch.int32)
+        _layer(hidden_states.contiguous(), weights, router_logits, topk_ids, topk_weights, routed_ids,
+               routed_ids.new_empty(routed_ids.shape, dtype=torch.float32), out, _bytes(0, hidden_states.device),
+               enable_pdl)
+        return out
     routed = routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
                      num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
                      local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
-    if plan.stages == LAYER_STAGES:
-        out = hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
-        _layer(hidden_states.contiguous(), weights, routed, out, _bytes(0, hidden_states.device), enable_pdl)
-        return out
     act = fc1(hidden_states.contiguous(), weights, routed, enable_pdl, hidden_states_scale)
     if "requant" in plan.stages:
         act = requant(act, weights)
@@ -651,17 +674,21 @@ def prepare_stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights,
         _fail("prepare_stepfun_moe", f"hidden_states must be a contiguous [num_tokens, hidden={weights.hidden}] "
                                      f"tensor, got {list(hidden_states.shape)}")
     plan = _plan("prepare_stepfun_moe", plan, weights, hidden_states, top_k, do_finalize, prepared=True)
+    if plan.stages == LAYER_STAGES:  # one unit, the routing included
+        _check_hidden_states("prepare_stepfun_moe", hidden_states, weights, hidden_states_scale)
+        _check_layer_routing("prepare_stepfun_moe", router_logits, topk_ids, topk_weights, top_k, weights)
+        out = hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
+        routed_ids = hidden_states.new_empty((hidden_states.shape[0], top_k), dtype=torch.int32)
+        routed_weights = routed_ids.new_empty(routed_ids.shape, dtype=torch.float32)
+        workspace = _bytes(_C.moe_forward_workspace_size(routed_ids.numel(), weights.hidden, weights.intermediate),
+                           hidden_states.device)
+        layer = _bound("layer", lambda: _layer(hidden_states, weights, router_logits, topk_ids, topk_weights,
+                                               routed_ids, routed_weights, out, workspace, enable_pdl), [out])
+        return StepFunMoeLaunch([layer], [out])
     routing_stage = prepare_routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
                                     num_experts=weights.num_experts, num_local_experts=weights.num_local_experts,
                                     local_expert_offset=weights.local_expert_offset, tile_size=plan.tile_size)
     routed = routing_stage.outputs()[0]
-    if plan.stages == LAYER_STAGES:
-        _check_hidden_states("prepare_stepfun_moe", hidden_states, weights, hidden_states_scale)
-        out = hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
-        workspace = _bytes(_C.moe_forward_workspace_size(routed.expert_ids.numel(), weights.hidden,
-                                                         weights.intermediate), hidden_states.device)
-        layer = _bound("layer", lambda: _layer(hidden_states, weights, routed, out, workspace, enable_pdl), [out])
-        return StepFunMoeLaunch([routing_stage, layer], [out])
     stages = [routing_stage, prepare_fc1(hidden_states, weights, routed, enable_pdl=enable_pdl,
                                          hidden_states_scale=hidden_states_scale)]
     if "requant" in plan.stages:

@@ -21,50 +21,64 @@
 
 #include "cuda/common/pdl.cuh"
 #include "cuda/moe/moe_decode.cuh"
+#include "cuda/moe/routing.cuh"
 
 namespace cake::sm90 {
 namespace {
 
-struct LayerParams {
-  const uint8_t* x = nullptr;       // [tokens, hidden], 16-bit
-  int tokens = 0;
-  int top_k = 1;
-  const int32_t* ids = nullptr;     // [tokens * top_k] global expert ids
-  const float* scales = nullptr;    // [tokens * top_k]
-  int local_offset = 0;
-  int num_local = 0;
-  const uint8_t* w1 = nullptr;      // [E_local, 2I, hidden]
-  const uint8_t* w2 = nullptr;      // [E_local, hidden, I]
-  int hidden = 0;
-  int inter = 0;
-  int w_bytes = 2;                  // bytes per weight element (1: e4m3)
-  const float* x_scale = nullptr;   // fp8: static scales, or null (dynamic)
-  const float* fc2_scale = nullptr;
-  const float* w1_scale = nullptr;  // fp8: [E_local]
-  const float* w2_scale = nullptr;
-  const float* limits = nullptr;    // SwiGLUStep: [E_local]
-  uint8_t* h = nullptr;             // [routes, I] (16-bit), local routes packed
-  uint8_t* y = nullptr;             // [routes, hidden] (16-bit), local routes packed
-  uint8_t* out = nullptr;           // [tokens, hidden]
-};
+using LayerParams = MoeDecodeLayerArgs;
 
 // The shard's routes in route order: route_expert[l] / route_index[l] of local route l, and
 // local_of[r] (-1: dropped) for every route r.
+// routed_ids / routed_scales: the routing's results when the kernel routes from logits.
 struct LayerRoutes {
   int expert[kMoeDecodeLayerMaxRoutes];
   int index[kMoeDecodeLayerMaxRoutes];
   int local_of[kMoeDecodeLayerMaxRoutes];
   int count;
+  int32_t routed_ids[kMoeDecodeLayerMaxRoutes];
+  float routed_scales[kMoeDecodeLayerMaxRoutes];
+  const int32_t* ids;  // the routes' global expert ids and scales: p.ids / p.scales or the above
+  const float* scales;
 };
 
+// With logits, every CTA routes the tokens itself (a warp per token: a few hundred cycles, no
+// launch or hand-off), CTA 0 also into ids_out / scales_out.
+__device__ void route_tokens(const LayerParams& p, LayerRoutes& r) {
+  if (p.logits == nullptr) {
+    if (threadIdx.x == 0) {
+      r.ids = p.ids;
+      r.scales = p.scales;
+    }
+    return;
+  }
+  for (int t = threadIdx.x / 32; t < p.tokens; t += kThreads / 32) {
+    topk_softmax_token_any(p.logits, p.logits_type, t, p.num_experts, p.top_k, r.routed_ids, r.routed_scales);
+  }
+  __syncthreads();
+  const int routes = p.tokens * p.top_k;
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < routes; i += kThreads) {
+      p.ids_out[i] = r.routed_ids[i];
+      p.scales_out[i] = r.routed_scales[i];
+    }
+  }
+  if (threadIdx.x == 0) {
+    r.ids = r.routed_ids;
+    r.scales = r.routed_scales;
+  }
+}
+
 __device__ void find_routes(const LayerParams& p, LayerRoutes& r) {
+  route_tokens(p, r);
+  __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     const int routes = p.tokens * p.top_k;
     int count = 0;
     for (int base = 0; base < routes; base += 32) {
       const int i = base + lane;
-      const int e = i < routes ? p.ids[i] - p.local_offset : -1;
+      const int e = i < routes ? r.ids[i] - p.local_offset : -1;
       const bool kept = i < routes && e >= 0 && e < p.num_local;
       const unsigned mask = __ballot_sync(0xffffffffu, kept);
       const int l = count + __popc(mask & ((1u << lane) - 1));
@@ -143,7 +157,7 @@ __device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
       const int route = t * p.top_k + j;
       const int l = r.local_of[route];
       if (l < 0) continue;
-      const float scale = p.scales[route];
+      const float scale = r.scales[route];
       const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + (int64_t(l) * p.hidden + 8 * v) * 2));
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -215,27 +229,8 @@ bool moe_decode_layer_fits(int64_t routes, int64_t hidden, int64_t inter, int64_
 }
 
 void moe_decode_layer(const MoeDecodeLayerArgs& a, MoeDecodeElement element, cudaStream_t stream, bool pdl) {
-  LayerParams p;
-  p.x = static_cast<const uint8_t*>(a.x);
-  p.tokens = static_cast<int>(a.tokens);
-  p.top_k = a.top_k;
-  p.ids = a.ids;
-  p.scales = a.scales;
-  p.local_offset = static_cast<int>(a.local_offset);
-  p.num_local = static_cast<int>(a.num_local);
-  p.w1 = static_cast<const uint8_t*>(a.w1);
-  p.w2 = static_cast<const uint8_t*>(a.w2);
-  p.hidden = static_cast<int>(a.hidden);
-  p.inter = static_cast<int>(a.inter);
+  LayerParams p = a;
   p.w_bytes = element == MoeDecodeElement::kE4m3 ? 1 : 2;
-  p.x_scale = a.x_scale;
-  p.fc2_scale = a.fc2_scale;
-  p.w1_scale = a.w1_scale;
-  p.w2_scale = a.w2_scale;
-  p.limits = a.limits;
-  p.h = static_cast<uint8_t*>(a.h);
-  p.y = static_cast<uint8_t*>(a.y);
-  p.out = static_cast<uint8_t*>(a.out);
   switch (element) {
     case MoeDecodeElement::kBFloat16:
       return launch_layer<__nv_bfloat16>(p, stream, pdl);

@@ -47,7 +47,7 @@ def fused_moe_rows(args, timer):
         seed_case(name)
         w1 = fm.interleave_up_gate_sm90((torch.randn(e_local, 2 * inter, h, device="cuda") / h**0.5).bfloat16())
         w2 = (torch.randn(e_local, h, inter, device="cuda") / inter**0.5).bfloat16()
-        for t in [int(v) for v in args.tokens.split(",")]:
+        for t in [int(v) for v in args.tokens.split(",") if v]:
             if t * k > 64:
                 continue
             seed_case(name, t)
@@ -81,7 +81,7 @@ def stepfun_rows(args, timer):
         e, k, h, inter = SHAPES[name]
         seed_case(name)
         w1, w2 = random_weights(e, h, inter, "cuda")
-        for t in [int(v) for v in args.stepfun_tokens.split(",")]:
+        for t in [int(v) for v in args.stepfun_tokens.split(",") if v]:
             seed_case(name, t)
             x = (AMPLITUDE * torch.randn(t, h, device="cuda")).bfloat16()
             logits = torch.randn(t, e, device="cuda")

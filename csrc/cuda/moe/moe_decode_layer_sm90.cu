@@ -28,49 +28,43 @@ namespace {
 
 using LayerParams = MoeDecodeLayerArgs;
 
-// The shard's routes in route order: route_expert[l] / route_index[l] of local route l, and
-// local_of[r] (-1: dropped) for every route r.
-// routed_ids / routed_scales: the routing's results when the kernel routes from logits.
+// The shard's routes in route order: route_expert[l] / route_index[l] of local route l, and for
+// every route r its global expert id, scale and local_of[r] (-1: dropped).
 struct LayerRoutes {
+  int id[kMoeDecodeLayerMaxRoutes];
   int expert[kMoeDecodeLayerMaxRoutes];
   int index[kMoeDecodeLayerMaxRoutes];
   int local_of[kMoeDecodeLayerMaxRoutes];
+  float scale[kMoeDecodeLayerMaxRoutes];
   int count;
-  int32_t routed_ids[kMoeDecodeLayerMaxRoutes];
-  float routed_scales[kMoeDecodeLayerMaxRoutes];
-  const int32_t* ids;  // the routes' global expert ids and scales: p.ids / p.scales or the above
-  const float* scales;
 };
 
-// With logits, every CTA routes the tokens itself (a warp per token: a few hundred cycles, no
-// launch or hand-off), CTA 0 also into ids_out / scales_out.
-__device__ void route_tokens(const LayerParams& p, LayerRoutes& r) {
+// The routes of p.ids / p.scales, or with p.logits the Renormalize routing of the tokens, done by
+// every CTA (a warp per token: no routing launch or hand-off; CTA 0 also writes ids_out /
+// scales_out).
+__device__ void route_tokens(const LayerParams& p, int32_t* ids, float* scales) {
+  const int routes = p.tokens * p.top_k;
   if (p.logits == nullptr) {
-    if (threadIdx.x == 0) {
-      r.ids = p.ids;
-      r.scales = p.scales;
+    for (int i = threadIdx.x; i < routes; i += kThreads) {
+      ids[i] = p.ids[i];
+      scales[i] = p.scales[i];
     }
     return;
   }
   for (int t = threadIdx.x / 32; t < p.tokens; t += kThreads / 32) {
-    topk_softmax_token_any(p.logits, p.logits_type, t, p.num_experts, p.top_k, r.routed_ids, r.routed_scales);
+    topk_softmax_token_any(p.logits, p.logits_type, t, p.num_experts, p.top_k, ids, scales);
   }
   __syncthreads();
-  const int routes = p.tokens * p.top_k;
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < routes; i += kThreads) {
-      p.ids_out[i] = r.routed_ids[i];
-      p.scales_out[i] = r.routed_scales[i];
+      p.ids_out[i] = ids[i];
+      p.scales_out[i] = scales[i];
     }
-  }
-  if (threadIdx.x == 0) {
-    r.ids = r.routed_ids;
-    r.scales = r.routed_scales;
   }
 }
 
 __device__ void find_routes(const LayerParams& p, LayerRoutes& r) {
-  route_tokens(p, r);
+  route_tokens(p, r.id, r.scale);
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
@@ -78,7 +72,7 @@ __device__ void find_routes(const LayerParams& p, LayerRoutes& r) {
     int count = 0;
     for (int base = 0; base < routes; base += 32) {
       const int i = base + lane;
-      const int e = i < routes ? r.ids[i] - p.local_offset : -1;
+      const int e = i < routes ? r.id[i] - p.local_offset : -1;
       const bool kept = i < routes && e >= 0 && e < p.num_local;
       const unsigned mask = __ballot_sync(0xffffffffu, kept);
       const int l = count + __popc(mask & ((1u << lane) - 1));
@@ -157,7 +151,7 @@ __device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
       const int route = t * p.top_k + j;
       const int l = r.local_of[route];
       if (l < 0) continue;
-      const float scale = r.scales[route];
+      const float scale = r.scale[route];
       const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + (int64_t(l) * p.hidden + 8 * v) * 2));
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll

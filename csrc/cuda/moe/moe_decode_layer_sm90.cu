@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include <c10/cuda/CUDAException.h>
 
@@ -28,51 +29,46 @@ namespace {
 
 using LayerParams = MoeDecodeLayerArgs;
 
-// The shard's routes in route order: route_expert[l] / route_index[l] of local route l, and for
-// every route r its global expert id, scale and local_of[r] (-1: dropped).
+// The shard's routes in route order: route_expert[l] / route_index[l] of local route l, and
+// local_of[r] (-1: dropped) for every route r.
 struct LayerRoutes {
-  int id[kMoeDecodeLayerMaxRoutes];
   int expert[kMoeDecodeLayerMaxRoutes];
   int index[kMoeDecodeLayerMaxRoutes];
   int local_of[kMoeDecodeLayerMaxRoutes];
-  float scale[kMoeDecodeLayerMaxRoutes];
   int count;
 };
+// ... and, routed from logits in the kernel, every route's global expert id and scale.
+struct LogitsRoutes : LayerRoutes {
+  int id[kMoeDecodeLayerMaxRoutes];
+  float scale[kMoeDecodeLayerMaxRoutes];
+};
 
-// The routes of p.ids / p.scales, or with p.logits the Renormalize routing of the tokens, done by
-// every CTA (a warp per token: no routing launch or hand-off; CTA 0 also writes ids_out /
-// scales_out).
-__device__ void route_tokens(const LayerParams& p, int32_t* ids, float* scales) {
+// kFromLogits: every CTA routes the tokens itself, a warp per token (no routing launch or
+// hand-off), CTA 0 also into ids_out / scales_out; else the routes are p.ids / p.scales. Separate
+// kernels: with the routing code in it, the ids kernel measured ~7 us slower at T=1 (NOTES).
+template <bool kFromLogits, class Routes>
+__device__ void find_routes(const LayerParams& p, Routes& r) {
   const int routes = p.tokens * p.top_k;
-  if (p.logits == nullptr) {
-    for (int i = threadIdx.x; i < routes; i += kThreads) {
-      ids[i] = p.ids[i];
-      scales[i] = p.scales[i];
+  const int32_t* ids = p.ids;
+  if constexpr (kFromLogits) {
+    for (int t = threadIdx.x / 32; t < p.tokens; t += kThreads / 32) {
+      topk_softmax_token_any(p.logits, p.logits_type, t, p.num_experts, p.top_k, r.id, r.scale);
     }
-    return;
-  }
-  for (int t = threadIdx.x / 32; t < p.tokens; t += kThreads / 32) {
-    topk_softmax_token_any(p.logits, p.logits_type, t, p.num_experts, p.top_k, ids, scales);
-  }
-  __syncthreads();
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < routes; i += kThreads) {
-      p.ids_out[i] = ids[i];
-      p.scales_out[i] = scales[i];
+    __syncthreads();
+    if (blockIdx.x == 0) {
+      for (int i = threadIdx.x; i < routes; i += kThreads) {
+        p.ids_out[i] = r.id[i];
+        p.scales_out[i] = r.scale[i];
+      }
     }
+    ids = r.id;
   }
-}
-
-__device__ void find_routes(const LayerParams& p, LayerRoutes& r) {
-  route_tokens(p, r.id, r.scale);
-  __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    const int routes = p.tokens * p.top_k;
     int count = 0;
     for (int base = 0; base < routes; base += 32) {
       const int i = base + lane;
-      const int e = i < routes ? r.id[i] - p.local_offset : -1;
+      const int e = i < routes ? ids[i] - p.local_offset : -1;
       const bool kept = i < routes && e >= 0 && e < p.num_local;
       const unsigned mask = __ballot_sync(0xffffffffu, kept);
       const int l = count + __popc(mask & ((1u << lane) - 1));
@@ -140,8 +136,8 @@ __device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, uint8_t*
 
 // Phase 3: out[t] = sum_j scales[t, j] * y[local_of[t * top_k + j]] over the kept routes, float32
 // in route order, one rounding (moe_finalize's numbers). 8 columns per thread.
-template <class T>
-__device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
+template <class T, bool kFromLogits, class Routes>
+__device__ void layer_finalize(const LayerParams& p, const Routes& r) {
   using Out = DecodeMma<T>;
   const int vecs = p.hidden / 8;
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < p.tokens * vecs; i += gridDim.x * kThreads) {
@@ -151,7 +147,12 @@ __device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
       const int route = t * p.top_k + j;
       const int l = r.local_of[route];
       if (l < 0) continue;
-      const float scale = r.scale[route];
+      float scale;
+      if constexpr (kFromLogits) {
+        scale = r.scale[route];
+      } else {
+        scale = p.scales[route];
+      }
       const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + (int64_t(l) * p.hidden + 8 * v) * 2));
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -167,27 +168,27 @@ __device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
   }
 }
 
-template <class T>
+template <class T, bool kFromLogits>
 __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   uint8_t* b = smem + kRingBytes;
   float* tile = reinterpret_cast<float*>(b + kBBytes);
-  __shared__ LayerRoutes routes;
+  __shared__ std::conditional_t<kFromLogits, LogitsRoutes, LayerRoutes> routes;
   pdl_wait();
   pdl_launch_dependents();
-  find_routes(p, routes);
+  find_routes<kFromLogits>(p, routes);
   auto grid = cooperative_groups::this_grid();
   layer_gemm<T, true>(p, routes, ring, b, tile);
   grid.sync();  // h complete (and its amax final) before any GEMM2 B row is staged
   layer_gemm<T, false>(p, routes, ring, b, tile);
   grid.sync();
-  layer_finalize<T>(p, routes);
+  layer_finalize<T, kFromLogits>(p, routes);
 }
 
 template <class T>
 void launch_layer(const LayerParams& p, cudaStream_t stream, bool pdl) {
-  auto kernel = moe_decode_layer_kernel<T>;
+  auto kernel = p.logits ? moe_decode_layer_kernel<T, true> : moe_decode_layer_kernel<T, false>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmemBytes);
   int device = 0, sms = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));

@@ -143,8 +143,7 @@ TORCH_LIBRARY(cake, m) {
       "Tensor? x_scale=None, Tensor? w1_scale=None, Tensor? fc2_scale=None, Tensor? w2_scale=None) -> ()");
   // moe_routing (Renormalize top-k of router_logits [T, E]) into token_selected_experts [T, k] int32
   // and token_final_scales [T, k] float32 (written; k = their width), then moe_forward_out with
-  // them: the StepFun decode layer. On CUDA the layer kernel routes in every CTA (no routing launch;
-  // the routing kernels' numbers), else the routing kernel then moe_forward_out.
+  // them: the StepFun decode layer (on CUDA the routing kernel, then moe_forward_out's kernels).
   m.def(
       "moe_forward_from_logits_out(Tensor x, Tensor router_logits, Tensor w1, Tensor w2, int local_expert_offset, "
       "Tensor(a!) token_selected_experts, Tensor(b!) token_final_scales, Tensor(c!) out, Tensor(d!) workspace, "

@@ -733,8 +733,7 @@ def routed_then_forward(args, opt, offset, logits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("case", list(FORWARD_CASES))
 def test_moe_forward_from_logits_is_routing_then_forward(case, dtype, logits_dtype):
-    """On every device: bit for bit moe_routing then moe_forward_out (on CUDA the layer kernel routes
-    in each CTA with the routing kernel's code where it takes the shape), routing outputs included."""
+    """On every device: bit for bit moe_routing then moe_forward_out, routing outputs included."""
     for device in ["cpu"] + (["cuda"] if HAS_CUDA else []):
         args, opt, offset, logits = logits_problem(case, dtype, logits_dtype, device)
         got = from_logits_out(args, opt, offset, logits)
@@ -746,8 +745,8 @@ def test_moe_forward_from_logits_is_routing_then_forward(case, dtype, logits_dty
 @cuda_only
 @pytest.mark.parametrize("num_experts", [8, 100, 288, 1024])
 def test_moe_forward_from_logits_expert_counts(num_experts):
-    """Every experts-per-lane variant of the in-kernel routing (2 to 32 logits per lane), float16
-    logits, against the routing kernel; a shard of 16 experts inside the range."""
+    """Every experts-per-lane variant of the routing kernel (2 to 32 logits per lane), float16 logits;
+    a shard of 16 experts inside the range, or the experts cut to fewer."""
     args, opt, offset, logits = logits_problem("three_tokens", torch.bfloat16, torch.float16, "cuda", num_experts)
     args[1].copy_(torch.zeros_like(args[1]))  # unused: the routes come from the logits
     offset = min(offset, num_experts - args[3].shape[0]) if num_experts >= args[3].shape[0] else None

@@ -63,8 +63,8 @@ FAMILIES = ("bf16", "fp8", "nvfp4", "nvfp4_bf16tok", "mxfp8")
 RUNNABLE_FAMILIES = ("bf16", "fp8")
 STAGES = ("routing", "fc1", "requant", "fc2", "finalize")
 # The decode plan: routing, fc1, requant, fc2 and finalize as one unit (torch.ops.cake.
-# moe_forward_from_logits_out, or moe_forward_out for precomputed top-k: on CUDA one launch of the
-# layer kernel, the routing inside it; the staged ops' numbers).
+# moe_forward_from_logits_out, or moe_forward_out for precomputed top-k: on CUDA the routing
+# kernel and one launch of the layer kernel; the staged ops' numbers).
 LAYER_STAGES = ("routing", "layer")
 
 

@@ -500,55 +500,6 @@ void moe_finalize_out_cuda(const at::Tensor& rows, const at::Tensor& expanded_to
   finalize_into(rows, expanded_to_permuted, scales, s, out, enable_pdl, op);
 }
 
-// The layer kernel for moe_forward_out / moe_forward_from_logits_out where it takes the shape
-// (routes and their scales already in a: ids / scales, or logits); false: the caller runs the
-// staged ops.
-bool run_layer_kernel(sm90::MoeDecodeLayerArgs a, const MoeForwardShape& s, const at::Tensor& x, const at::Tensor& w1,
-                      const at::Tensor& w2, int64_t local_expert_offset, const at::Tensor& out,
-                      const at::Tensor& workspace, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits,
-                      const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
-                      const c10::optional<at::Tensor>& fc2_scale, const c10::optional<at::Tensor>& w2_scale,
-                      const char* op) {
-  const int64_t routes = s.num_tokens * s.top_k;
-  if (!aligned16(x) || !aligned16(out) ||
-      !sm90::moe_decode_layer_fits(routes, s.hidden, s.intermediate, w1.element_size())) {
-    return false;
-  }
-  // The layer kernel's h [routes, I] and y [routes, H], 16-bit.
-  auto scratch = workspace.numel() > 0 ? workspace
-                                       : at::empty({moe_forward_workspace_bytes(routes, s.hidden, s.intermediate)},
-                                                   x.options().dtype(at::kByte));
-  TORCH_CHECK(aligned16(scratch), op, ": workspace must be 16-byte aligned");
-  a.x = static_cast<const uint8_t*>(x.data_ptr());
-  a.tokens = static_cast<int>(s.num_tokens);
-  a.top_k = static_cast<int>(s.top_k);
-  a.local_offset = static_cast<int>(local_expert_offset);
-  a.num_local = static_cast<int>(s.num_local_experts);
-  a.w1 = static_cast<const uint8_t*>(w1.data_ptr());
-  a.w2 = static_cast<const uint8_t*>(w2.data_ptr());
-  a.hidden = static_cast<int>(s.hidden);
-  a.inter = static_cast<int>(s.intermediate);
-  const auto contiguous_ptr = [](const c10::optional<at::Tensor>& t, c10::optional<at::Tensor>& keep) {
-    if (!t) return static_cast<const float*>(nullptr);
-    keep = t->contiguous();
-    return static_cast<const float*>(keep->data_ptr<float>());
-  };
-  c10::optional<at::Tensor> keep[5];
-  a.x_scale = contiguous_ptr(x_scale, keep[0]);
-  a.fc2_scale = contiguous_ptr(fc2_scale, keep[1]);
-  a.w1_scale = contiguous_ptr(w1_scale, keep[2]);
-  a.w2_scale = contiguous_ptr(w2_scale, keep[3]);
-  a.limits = contiguous_ptr(clamp_limits, keep[4]);
-  a.h = static_cast<uint8_t*>(scratch.data_ptr());
-  a.y = a.h + routes * s.intermediate * 2;
-  a.out = static_cast<uint8_t*>(out.data_ptr());
-  const auto element = s.fp8 ? sm90::MoeDecodeElement::kE4m3
-                       : x.scalar_type() == at::kHalf ? sm90::MoeDecodeElement::kHalf
-                                                      : sm90::MoeDecodeElement::kBFloat16;
-  sm90::moe_decode_layer(a, element, at::cuda::getCurrentCUDAStream(x.get_device()), enable_pdl);
-  return true;
-}
-
 void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& scales_in,
                           const at::Tensor& w1, const at::Tensor& w2, int64_t local_expert_offset, at::Tensor out,
                           at::Tensor workspace, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits,
@@ -563,11 +514,45 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
   const auto x = x_in.contiguous();
   const auto ids = ids_in.contiguous();
   const auto scales = scales_in.contiguous();
-  sm90::MoeDecodeLayerArgs a;
-  a.ids = ids.data_ptr<int32_t>();
-  a.scales = scales.data_ptr<float>();
-  if (run_layer_kernel(a, s, x, w1, w2, local_expert_offset, out, workspace, enable_pdl, clamp_limits, x_scale,
-                       w1_scale, fc2_scale, w2_scale, op)) {
+  const int64_t routes = s.num_tokens * s.top_k;
+  if (aligned16(x) && aligned16(out) &&
+      sm90::moe_decode_layer_fits(routes, s.hidden, s.intermediate, w1.element_size())) {
+    // The layer kernel's h [routes, I] and y [routes, H], 16-bit.
+    auto scratch = workspace.numel() > 0
+                       ? workspace
+                       : at::empty({moe_forward_workspace_bytes(routes, s.hidden, s.intermediate)},
+                                   x.options().dtype(at::kByte));
+    TORCH_CHECK(aligned16(scratch), op, ": workspace must be 16-byte aligned");
+    sm90::MoeDecodeLayerArgs a;
+    a.x = x.data_ptr();
+    a.tokens = s.num_tokens;
+    a.top_k = static_cast<int>(s.top_k);
+    a.ids = ids.data_ptr<int32_t>();
+    a.scales = scales.data_ptr<float>();
+    a.local_offset = local_expert_offset;
+    a.num_local = s.num_local_experts;
+    a.w1 = w1.data_ptr();
+    a.w2 = w2.data_ptr();
+    a.hidden = s.hidden;
+    a.inter = s.intermediate;
+    const auto contiguous_ptr = [](const c10::optional<at::Tensor>& t, c10::optional<at::Tensor>& keep) {
+      if (!t) return static_cast<const float*>(nullptr);
+      keep = t->contiguous();
+      return static_cast<const float*>(keep->data_ptr<float>());
+    };
+    c10::optional<at::Tensor> keep[5];
+    a.x_scale = contiguous_ptr(x_scale, keep[0]);
+    a.fc2_scale = contiguous_ptr(fc2_scale, keep[1]);
+    a.w1_scale = contiguous_ptr(w1_scale, keep[2]);
+    a.w2_scale = contiguous_ptr(w2_scale, keep[3]);
+    a.limits = contiguous_ptr(clamp_limits, keep[4]);
+    a.h = scratch.data_ptr();
+    a.y = static_cast<uint8_t*>(scratch.data_ptr()) + routes * s.intermediate * 2;
+    a.out = out.data_ptr();
+    const auto element = s.fp8 ? sm90::MoeDecodeElement::kE4m3
+                         : x.scalar_type() == at::kHalf ? sm90::MoeDecodeElement::kHalf
+                                                        : sm90::MoeDecodeElement::kBFloat16;
+    sm90::moe_decode_layer(a, element, at::cuda::getCurrentCUDAStream(x.get_device()), enable_pdl);
     return;
   }
   // Ids outside the shard are dropped whatever num_experts, so the shard's end serves as it.
@@ -580,7 +565,10 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
   moe_finalize_out_cuda(rows, std::get<3>(sorted), scales, out, enable_pdl);
 }
 
-void moe_forward_from_logits_out_cuda(const at::Tensor& x_in, const at::Tensor& logits_in, const at::Tensor& w1,
+// The routing kernel, then moe_forward_out (at decode sizes the layer kernel; PDL chains the two).
+// Routing inside the layer kernel was measured slower than this pair (benchmarks/NOTES.md,
+// session 13).
+void moe_forward_from_logits_out_cuda(const at::Tensor& x, const at::Tensor& logits_in, const at::Tensor& w1,
                                       const at::Tensor& w2, int64_t local_expert_offset, at::Tensor ids,
                                       at::Tensor scales, at::Tensor out, at::Tensor workspace, bool enable_pdl,
                                       const c10::optional<at::Tensor>& clamp_limits,
@@ -589,27 +577,16 @@ void moe_forward_from_logits_out_cuda(const at::Tensor& x_in, const at::Tensor& 
                                       const c10::optional<at::Tensor>& fc2_scale,
                                       const c10::optional<at::Tensor>& w2_scale) {
   const char* op = "cake::moe_forward_from_logits_out";
-  const auto s = check_moe_forward_from_logits_out(x_in, logits_in, w1, w2, local_expert_offset, ids, scales, out,
+  const auto s = check_moe_forward_from_logits_out(x, logits_in, w1, w2, local_expert_offset, ids, scales, out,
                                                    workspace, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale, op);
   if (s.num_tokens == 0) return;
   const int64_t num_experts = logits_in.size(1);
   TORCH_CHECK(num_experts <= sm90::kMoeRoutingMaxExperts && s.top_k <= sm90::kMoeRoutingMaxTopK, op,
               ": CUDA kernels take at most ", sm90::kMoeRoutingMaxExperts, " experts and top_k <= ",
               sm90::kMoeRoutingMaxTopK, ", got ", num_experts, " and ", s.top_k);
-  c10::cuda::CUDAGuard guard(x_in.device());
-  select_kernel_arch(x_in.get_device(), op);
-  const auto x = x_in.contiguous();
+  c10::cuda::CUDAGuard guard(x.device());
+  select_kernel_arch(x.get_device(), op);
   const auto logits = logits_in.contiguous();
-  sm90::MoeDecodeLayerArgs a;
-  a.logits = logits.data_ptr();
-  a.logits_type = float_type(logits);
-  a.num_experts = static_cast<int>(num_experts);
-  a.ids_out = ids.data_ptr<int32_t>();
-  a.scales_out = scales.data_ptr<float>();
-  if (run_layer_kernel(a, s, x, w1, w2, local_expert_offset, out, workspace, enable_pdl, clamp_limits, x_scale,
-                       w1_scale, fc2_scale, w2_scale, op)) {
-    return;
-  }
   sm90::moe_topk_softmax(logits.data_ptr(), float_type(logits), s.num_tokens, static_cast<int>(num_experts),
                          static_cast<int>(s.top_k), ids.data_ptr<int32_t>(), scales.data_ptr<float>(),
                          at::cuda::getCurrentCUDAStream(x.get_device()), enable_pdl);

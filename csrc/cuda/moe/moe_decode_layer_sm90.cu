@@ -16,18 +16,37 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <type_traits>
 
 #include <c10/cuda/CUDAException.h>
 
 #include "cuda/common/pdl.cuh"
 #include "cuda/moe/moe_decode.cuh"
-#include "cuda/moe/routing.cuh"
 
 namespace cake::sm90 {
 namespace {
 
-using LayerParams = MoeDecodeLayerArgs;
+struct LayerParams {
+  const uint8_t* x = nullptr;       // [tokens, hidden], 16-bit
+  int tokens = 0;
+  int top_k = 1;
+  const int32_t* ids = nullptr;     // [tokens * top_k] global expert ids
+  const float* scales = nullptr;    // [tokens * top_k]
+  int local_offset = 0;
+  int num_local = 0;
+  const uint8_t* w1 = nullptr;      // [E_local, 2I, hidden]
+  const uint8_t* w2 = nullptr;      // [E_local, hidden, I]
+  int hidden = 0;
+  int inter = 0;
+  int w_bytes = 2;                  // bytes per weight element (1: e4m3)
+  const float* x_scale = nullptr;   // fp8: static scales, or null (dynamic)
+  const float* fc2_scale = nullptr;
+  const float* w1_scale = nullptr;  // fp8: [E_local]
+  const float* w2_scale = nullptr;
+  const float* limits = nullptr;    // SwiGLUStep: [E_local]
+  uint8_t* h = nullptr;             // [routes, I] (16-bit), local routes packed
+  uint8_t* y = nullptr;             // [routes, hidden] (16-bit), local routes packed
+  uint8_t* out = nullptr;           // [tokens, hidden]
+};
 
 // The shard's routes in route order: route_expert[l] / route_index[l] of local route l, and
 // local_of[r] (-1: dropped) for every route r.
@@ -37,38 +56,15 @@ struct LayerRoutes {
   int local_of[kMoeDecodeLayerMaxRoutes];
   int count;
 };
-// ... and, routed from logits in the kernel, every route's global expert id and scale.
-struct LogitsRoutes : LayerRoutes {
-  int id[kMoeDecodeLayerMaxRoutes];
-  float scale[kMoeDecodeLayerMaxRoutes];
-};
 
-// kFromLogits: every CTA routes the tokens itself, a warp per token (no routing launch or
-// hand-off), CTA 0 also into ids_out / scales_out; else the routes are p.ids / p.scales. Separate
-// kernels: with the routing code in it, the ids kernel measured ~7 us slower at T=1 (NOTES).
-template <bool kFromLogits, class Routes>
-__device__ void find_routes(const LayerParams& p, Routes& r) {
-  const int routes = p.tokens * p.top_k;
-  const int32_t* ids = p.ids;
-  if constexpr (kFromLogits) {
-    for (int t = threadIdx.x / 32; t < p.tokens; t += kThreads / 32) {
-      topk_softmax_token_any(p.logits, p.logits_type, t, p.num_experts, p.top_k, r.id, r.scale);
-    }
-    __syncthreads();
-    if (blockIdx.x == 0) {
-      for (int i = threadIdx.x; i < routes; i += kThreads) {
-        p.ids_out[i] = r.id[i];
-        p.scales_out[i] = r.scale[i];
-      }
-    }
-    ids = r.id;
-  }
+__device__ void find_routes(const LayerParams& p, LayerRoutes& r) {
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
+    const int routes = p.tokens * p.top_k;
     int count = 0;
     for (int base = 0; base < routes; base += 32) {
       const int i = base + lane;
-      const int e = i < routes ? ids[i] - p.local_offset : -1;
+      const int e = i < routes ? p.ids[i] - p.local_offset : -1;
       const bool kept = i < routes && e >= 0 && e < p.num_local;
       const unsigned mask = __ballot_sync(0xffffffffu, kept);
       const int l = count + __popc(mask & ((1u << lane) - 1));
@@ -136,8 +132,8 @@ __device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, uint8_t*
 
 // Phase 3: out[t] = sum_j scales[t, j] * y[local_of[t * top_k + j]] over the kept routes, float32
 // in route order, one rounding (moe_finalize's numbers). 8 columns per thread.
-template <class T, bool kFromLogits, class Routes>
-__device__ void layer_finalize(const LayerParams& p, const Routes& r) {
+template <class T>
+__device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
   using Out = DecodeMma<T>;
   const int vecs = p.hidden / 8;
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < p.tokens * vecs; i += gridDim.x * kThreads) {
@@ -147,12 +143,7 @@ __device__ void layer_finalize(const LayerParams& p, const Routes& r) {
       const int route = t * p.top_k + j;
       const int l = r.local_of[route];
       if (l < 0) continue;
-      float scale;
-      if constexpr (kFromLogits) {
-        scale = r.scale[route];
-      } else {
-        scale = p.scales[route];
-      }
+      const float scale = p.scales[route];
       const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + (int64_t(l) * p.hidden + 8 * v) * 2));
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -168,27 +159,27 @@ __device__ void layer_finalize(const LayerParams& p, const Routes& r) {
   }
 }
 
-template <class T, bool kFromLogits>
+template <class T>
 __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
   uint8_t* b = smem + kRingBytes;
   float* tile = reinterpret_cast<float*>(b + kBBytes);
-  __shared__ std::conditional_t<kFromLogits, LogitsRoutes, LayerRoutes> routes;
+  __shared__ LayerRoutes routes;
   pdl_wait();
   pdl_launch_dependents();
-  find_routes<kFromLogits>(p, routes);
+  find_routes(p, routes);
   auto grid = cooperative_groups::this_grid();
   layer_gemm<T, true>(p, routes, ring, b, tile);
   grid.sync();  // h complete (and its amax final) before any GEMM2 B row is staged
   layer_gemm<T, false>(p, routes, ring, b, tile);
   grid.sync();
-  layer_finalize<T, kFromLogits>(p, routes);
+  layer_finalize<T>(p, routes);
 }
 
 template <class T>
 void launch_layer(const LayerParams& p, cudaStream_t stream, bool pdl) {
-  auto kernel = p.logits ? moe_decode_layer_kernel<T, true> : moe_decode_layer_kernel<T, false>;
+  auto kernel = moe_decode_layer_kernel<T>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmemBytes);
   int device = 0, sms = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -224,8 +215,27 @@ bool moe_decode_layer_fits(int64_t routes, int64_t hidden, int64_t inter, int64_
 }
 
 void moe_decode_layer(const MoeDecodeLayerArgs& a, MoeDecodeElement element, cudaStream_t stream, bool pdl) {
-  LayerParams p = a;
+  LayerParams p;
+  p.x = static_cast<const uint8_t*>(a.x);
+  p.tokens = static_cast<int>(a.tokens);
+  p.top_k = a.top_k;
+  p.ids = a.ids;
+  p.scales = a.scales;
+  p.local_offset = static_cast<int>(a.local_offset);
+  p.num_local = static_cast<int>(a.num_local);
+  p.w1 = static_cast<const uint8_t*>(a.w1);
+  p.w2 = static_cast<const uint8_t*>(a.w2);
+  p.hidden = static_cast<int>(a.hidden);
+  p.inter = static_cast<int>(a.inter);
   p.w_bytes = element == MoeDecodeElement::kE4m3 ? 1 : 2;
+  p.x_scale = a.x_scale;
+  p.fc2_scale = a.fc2_scale;
+  p.w1_scale = a.w1_scale;
+  p.w2_scale = a.w2_scale;
+  p.limits = a.limits;
+  p.h = static_cast<uint8_t*>(a.h);
+  p.y = static_cast<uint8_t*>(a.y);
+  p.out = static_cast<uint8_t*>(a.out);
   switch (element) {
     case MoeDecodeElement::kBFloat16:
       return launch_layer<__nv_bfloat16>(p, stream, pdl);

@@ -112,36 +112,28 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
 // A whole MoE layer for a decode batch in one cooperative launch (moe_decode_layer_sm90.cu): every
 // kept route of x's tokens through GEMM1 + SwiGLU(Step) into h, GEMM2 into y, then out [tokens,
 // hidden] = the fixed-order float32 combine: the numbers of moe_gemm1_swiglu -> moe_gemm2 ->
-// moe_finalize. h [routes, I] and y [routes, hidden] (16-bit) are caller-owned scratch. The routes
-// are ids / scales, or (logits set) the Renormalize routing of the logits, done by every CTA
-// (moe_topk_softmax's numbers) and written to ids_out / scales_out.
+// moe_finalize. h [routes, I] and y [routes, hidden] (16-bit) are caller-owned scratch.
 constexpr int64_t kMoeDecodeLayerMaxRoutes = 64;
 struct MoeDecodeLayerArgs {
-  const uint8_t* x = nullptr;  // [tokens, hidden] 16-bit (bfloat16 for e4m3 weights: quantized on the way in)
-  int tokens = 0;
+  const void* x = nullptr;  // [tokens, hidden] 16-bit (bfloat16 for e4m3 weights: quantized on the way in)
+  int64_t tokens = 0;
   int top_k = 1;
   const int32_t* ids = nullptr;  // [tokens * top_k] global expert ids
   const float* scales = nullptr;
-  const void* logits = nullptr;  // or [tokens, num_experts] router logits
-  FloatType logits_type = FloatType::kFloat;
-  int num_experts = 0;
-  int32_t* ids_out = nullptr;    // with logits: the routing's ids and scales [tokens * top_k]
-  float* scales_out = nullptr;
-  int local_offset = 0;
-  int num_local = 0;
-  const uint8_t* w1 = nullptr;  // [E_local, 2I, hidden]
-  const uint8_t* w2 = nullptr;  // [E_local, hidden, I]
-  int hidden = 0;
-  int inter = 0;
-  int w_bytes = 2;                   // bytes per weight element (1: e4m3); moe_decode_layer sets it
+  int64_t local_offset = 0;
+  int64_t num_local = 0;
+  const void* w1 = nullptr;  // [E_local, 2I, hidden]
+  const void* w2 = nullptr;  // [E_local, hidden, I]
+  int64_t hidden = 0;
+  int64_t inter = 0;
   const float* x_scale = nullptr;    // fp8: static activation scales, or null (dynamic)
   const float* fc2_scale = nullptr;
   const float* w1_scale = nullptr;   // fp8: [E_local]
   const float* w2_scale = nullptr;
   const float* limits = nullptr;     // SwiGLUStep: [E_local]
-  uint8_t* h = nullptr;
-  uint8_t* y = nullptr;
-  uint8_t* out = nullptr;
+  void* h = nullptr;
+  void* y = nullptr;
+  void* out = nullptr;
 };
 // Whether the layer kernel takes this shape: routes <= kMoeDecodeLayerMaxRoutes, both GEMMs fit the
 // decode kernel, and for e4m3 weights (w_bytes 1) the dynamic scales' amax sizes.

@@ -620,6 +620,16 @@ def test_moe_forward_out_layer_kernel(case, dtype, static_scales, limits):
     assert torch.equal(forward_out(args, opt, offset, ws), got)
 
 
+def captured(run):
+    """A CUDA graph of run(), after one eager call (allocations and first-launch setup)."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 @cuda_only
 def test_moe_forward_out_graph_replay():
     """Captured once; new routes, scales and hidden states written into the bound tensors; replayed."""
@@ -627,12 +637,7 @@ def test_moe_forward_out_graph_replay():
     x, ids, scales = args[:3]
     out = torch.empty_like(x)
     ws = torch.empty(cake_ops._C.moe_forward_workspace_size(8, 512, 256), dtype=torch.uint8, device="cuda")
-    run = lambda: torch.ops.cake.moe_forward_out(*args, offset, out, ws, True, **opt)  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = captured(lambda: torch.ops.cake.moe_forward_out(*args, offset, out, ws, True, **opt))
     for _ in range(3):
         x.copy_(12 * torch.randn_like(x, dtype=torch.float32))
         ids.copy_(torch.randperm(64, device="cuda")[:8].view(1, 8).int())
@@ -767,13 +772,8 @@ def test_moe_forward_from_logits_graph_replay():
     x, ids, _, w1, w2 = args
     out, routed_ids, routed_weights = torch.empty_like(x), torch.empty_like(ids), torch.empty(ids.shape, device="cuda")
     ws = torch.empty(cake_ops._C.moe_forward_workspace_size(8, 512, 256), dtype=torch.uint8, device="cuda")
-    run = lambda: torch.ops.cake.moe_forward_from_logits_out(  # noqa: E731
-        x, logits, w1, w2, offset, routed_ids, routed_weights, out, ws, True, **opt)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = captured(lambda: torch.ops.cake.moe_forward_from_logits_out(
+        x, logits, w1, w2, offset, routed_ids, routed_weights, out, ws, True, **opt))
     for _ in range(3):
         x.copy_(12 * torch.randn_like(x, dtype=torch.float32))
         logits.copy_(torch.randn_like(logits))

@@ -356,11 +356,13 @@ def test_layer_plan_is_bitwise_the_staged_plan(device, family, shard):
     pre = dict(topk_ids=routed.expert_ids, topk_weights=routed.expert_weights, top_k=k)
     assert torch.equal(sm.stepfun_moe(x, weights, **pre), want)
     assert torch.equal(sm.prepare_stepfun_moe(x, weights, **pre).launch(), want)
-    with pytest.raises(ValueError, match=rf"topk_ids must be \[num_tokens, top_k={k}\]"):
+    with pytest.raises(ValueError, match=rf"topk_ids and topk_weights must be \[num_tokens, top_k={k}\]"):
         sm.stepfun_moe(x, weights, topk_ids=routed.expert_ids[:, 1:], topk_weights=routed.expert_weights[:, 1:],
                        top_k=k)
     with pytest.raises(ValueError, match="router_logits must be"):
         sm.stepfun_moe(x, weights, logits[:, :-1], top_k=k)
+    with pytest.raises(ValueError, match="not both"):
+        sm.stepfun_moe(x, weights, logits, **pre)
     # What the layer unit cannot do falls back to the staged plan by default, and is an error if asked.
     rows, expert_weights, e2p = sm.stepfun_moe(x, weights, logits, top_k=k, do_finalize=False)
     assert torch.equal(sm.finalize(rows, expert_weights, e2p), want)

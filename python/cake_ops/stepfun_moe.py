@@ -289,11 +289,16 @@ def _plan(fn: str, plan: Optional[Plan], weights: StepFunWeights, hidden_states:
 def _check_layer_routing(fn: str, router_logits, topk_ids, topk_weights, top_k: int, weights: StepFunWeights) -> None:
     """What the layer ops cannot see: they take E from the logits and top_k from the ids' width."""
     _check_routing_inputs(fn, router_logits, topk_ids, topk_weights)
+    if router_logits is not None and (topk_ids is not None or topk_weights is not None):
+        _fail(fn, "give either router_logits (FromLogits) or topk_ids and topk_weights (UnpackedPrecomputed), "
+                  "not both")
     if router_logits is not None and (router_logits.dim() != 2 or router_logits.shape[1] != weights.num_experts):
         _fail(fn, f"router_logits must be [num_tokens, num_experts={weights.num_experts}], got "
                   f"{list(router_logits.shape)}")
-    if router_logits is None and (topk_ids.dim() != 2 or topk_ids.shape[1] != top_k):
-        _fail(fn, f"topk_ids must be [num_tokens, top_k={top_k}], got {list(topk_ids.shape)}")
+    if router_logits is None and (topk_ids.dim() != 2 or topk_ids.shape[1] != top_k or
+                                  topk_weights.shape != topk_ids.shape):
+        _fail(fn, f"topk_ids and topk_weights must be [num_tokens, top_k={top_k}], got {list(topk_ids.shape)} "
+                  f"and {list(topk_weights.shape)}")
 
 
 def _layer(hidden_states: torch.Tensor, weights: StepFunWeights, router_logits: Optional[torch.Tensor],

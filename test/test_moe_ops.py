@@ -504,11 +504,18 @@ def test_moe_ops_opcheck():
                           (inter, w2, offsets, p2e, e2p, scales, torch.empty(12, 64).bfloat16()))
 
 
-class TestMoeSortErrors(expecttest.TestCase):
-    def error(self, *args):
+class OpErrorCase(expecttest.TestCase):
+    """The first line of the RuntimeError that `op` raises for the given arguments."""
+    op = None
+
+    def error(self, *args, **kwargs):
         with self.assertRaises(RuntimeError) as ctx:
-            torch.ops.cake.moe_sort(*args)
+            self.op(*args, **kwargs)
         return str(ctx.exception).split("\n")[0]
+
+
+class TestMoeSortErrors(OpErrorCase):
+    op = staticmethod(torch.ops.cake.moe_sort)
 
     def test_errors(self):
         ids = torch.zeros(4, 2, dtype=torch.int32)
@@ -677,11 +684,8 @@ def test_moe_forward_out_opcheck():
                           opt)
 
 
-class TestMoeForwardErrors(expecttest.TestCase):
-    def error(self, *args, **kwargs):
-        with self.assertRaises(RuntimeError) as ctx:
-            torch.ops.cake.moe_forward_out(*args, **kwargs)
-        return str(ctx.exception).split("\n")[0]
+class TestMoeForwardErrors(OpErrorCase):
+    op = staticmethod(torch.ops.cake.moe_forward_out)
 
     def test_errors(self):
         args, opt, (_, offset, _) = forward_problem("three_tokens", torch.bfloat16, False, False, "cpu")
@@ -791,11 +795,8 @@ def test_moe_forward_from_logits_opcheck():
                            torch.empty_like(x), torch.empty(0, dtype=torch.uint8)), opt)
 
 
-class TestMoeForwardFromLogitsErrors(expecttest.TestCase):
-    def error(self, *args):
-        with self.assertRaises(RuntimeError) as ctx:
-            torch.ops.cake.moe_forward_from_logits_out(*args)
-        return str(ctx.exception).split("\n")[0]
+class TestMoeForwardFromLogitsErrors(OpErrorCase):
+    op = staticmethod(torch.ops.cake.moe_forward_from_logits_out)
 
     def test_errors(self):
         args, _, _, logits = logits_problem("three_tokens", torch.bfloat16, torch.float32, "cpu")

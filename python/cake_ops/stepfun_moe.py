@@ -301,9 +301,18 @@ def _check_layer_routing(fn: str, router_logits, topk_ids, topk_weights, top_k: 
                   f"and {list(topk_weights.shape)}")
 
 
+def _routing_outputs(hidden_states: torch.Tensor, top_k: int, router_logits: Optional[torch.Tensor]):
+    """The layer unit's routing ids and weights [T, top_k] when it routes from logits, else None."""
+    if router_logits is None:
+        return None, None
+    ids = hidden_states.new_empty((hidden_states.shape[0], top_k), dtype=torch.int32)
+    return ids, ids.new_empty(ids.shape, dtype=torch.float32)
+
+
 def _layer(hidden_states: torch.Tensor, weights: StepFunWeights, router_logits: Optional[torch.Tensor],
-           topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], routed_ids: torch.Tensor,
-           routed_weights: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor, enable_pdl: bool) -> None:
+           topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], routed_ids: Optional[torch.Tensor],
+           routed_weights: Optional[torch.Tensor], out: torch.Tensor, workspace: torch.Tensor,
+           enable_pdl: bool) -> None:
     """The layer unit into out: from logits, routing -> fc1 -> requant -> fc2 -> finalize in one op
     (moe_forward_from_logits_out; the routing's ids and weights into routed_ids / routed_weights);
     precomputed top-k ids and weights go to moe_forward_out as they are (no routing launch)."""
@@ -484,9 +493,8 @@ def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_log
     if plan.stages == LAYER_STAGES:
         _check_layer_routing("stepfun_moe", router_logits, topk_ids, topk_weights, top_k, weights)
         out = hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
-        routed_ids = hidden_states.new_empty((hidden_states.shape[0], top_k), dtype=torch.int32)
-        _layer(hidden_states.contiguous(), weights, router_logits, topk_ids, topk_weights, routed_ids,
-               routed_ids.new_empty(routed_ids.shape, dtype=torch.float32), out, _bytes(0, hidden_states.device),
+        _layer(hidden_states.contiguous(), weights, router_logits, topk_ids, topk_weights,
+               *_routing_outputs(hidden_states, top_k, router_logits), out, _bytes(0, hidden_states.device),
                enable_pdl)
         return out
     routed = routing(router_logits, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k,
@@ -683,10 +691,9 @@ def prepare_stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights,
         _check_hidden_states("prepare_stepfun_moe", hidden_states, weights, hidden_states_scale)
         _check_layer_routing("prepare_stepfun_moe", router_logits, topk_ids, topk_weights, top_k, weights)
         out = hidden_states.new_empty(hidden_states.shape, dtype=torch.bfloat16)
-        routed_ids = hidden_states.new_empty((hidden_states.shape[0], top_k), dtype=torch.int32)
-        routed_weights = routed_ids.new_empty(routed_ids.shape, dtype=torch.float32)
-        workspace = _bytes(_C.moe_forward_workspace_size(routed_ids.numel(), weights.hidden, weights.intermediate),
-                           hidden_states.device)
+        routed_ids, routed_weights = _routing_outputs(hidden_states, top_k, router_logits)
+        workspace = _bytes(_C.moe_forward_workspace_size(hidden_states.shape[0] * top_k, weights.hidden,
+                                                         weights.intermediate), hidden_states.device)
         layer = _bound("layer", lambda: _layer(hidden_states, weights, router_logits, topk_ids, topk_weights,
                                                routed_ids, routed_weights, out, workspace, enable_pdl), [out])
         return StepFunMoeLaunch([layer], [out])

@@ -139,18 +139,30 @@ __device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < p.tokens * vecs; i += gridDim.x * kThreads) {
     const int t = i / vecs, v = i % vecs;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < p.top_k; ++j) {
-      const int route = t * p.top_k + j;
-      const int l = r.local_of[route];
-      if (l < 0) continue;
-      const float scale = p.scales[route];
-      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.y + (int64_t(l) * p.hidden + 8 * v) * 2));
-      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    // kBatch routes' loads issued together, then summed in route order: one L2 round trip per
+    // batch, not per route (the sum, and so the bits, as before).
+    constexpr int kBatch = 8;
+    for (int j0 = 0; j0 < p.top_k; j0 += kBatch) {
+      uint4 raw[kBatch];
+      float scale[kBatch];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = Out::unpack2(words[q]);
-        acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(scale, f.x));
-        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(scale, f.y));
+      for (int u = 0; u < kBatch; ++u) {
+        const int route = t * p.top_k + j0 + u;
+        const int l = j0 + u < p.top_k ? r.local_of[route] : -1;
+        scale[u] = l < 0 ? 0.0f : p.scales[route];
+        raw[u] = l < 0 ? make_uint4(0, 0, 0, 0)
+                       : __ldcg(reinterpret_cast<const uint4*>(p.y + (int64_t(l) * p.hidden + 8 * v) * 2));
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (j0 + u >= p.top_k || r.local_of[t * p.top_k + j0 + u] < 0) continue;  // dropped: no term
+        const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = Out::unpack2(words[q]);
+          acc[2 * q] = __fadd_rn(acc[2 * q], __fmul_rn(scale[u], f.x));
+          acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], __fmul_rn(scale[u], f.y));
+        }
       }
     }
     uint8_t* dst = p.out + (int64_t(t) * p.hidden + 8 * v) * 2;

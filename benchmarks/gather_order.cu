@@ -12,23 +12,10 @@
 // Routing: top_k distinct random experts of E per token, rows sorted by expert (stable), as
 // moe_sort makes them. Median of 20 runs, each after a 256 MB read that empties L2.
 //   nvcc -O3 -arch=sm_90a -o /tmp/gather_order benchmarks/gather_order.cu && /tmp/gather_order
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
 #include <numeric>
 #include <random>
-#include <vector>
 
-#define CHECK(x)                                                                     \
-  do {                                                                               \
-    cudaError_t e = (x);                                                             \
-    if (e != cudaSuccess) {                                                          \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
+#include "microbench.cuh"
 
 constexpr int kRowsPerBlock = 8;  // one warp per row (or token)
 constexpr int kUnroll = 8;
@@ -41,14 +28,9 @@ __device__ __forceinline__ void store(uint4* p, const uint4& v) {
     *p = v;
 }
 
+// One warp copies a row of row_vecs 16-byte words: up to kUnroll loads in flight per lane.
 template <bool kStreaming>
-__global__ void __launch_bounds__(32 * kRowsPerBlock)
-    gather_rows(const uint4* x, int64_t row_vecs, const int32_t* permuted_to_expanded, int top_k, int64_t rows,
-                uint4* out) {
-  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-  if (row >= rows) return;
-  const uint4* src = x + int64_t(permuted_to_expanded[row] / top_k) * row_vecs;
-  uint4* dst = out + row * row_vecs;
+__device__ __forceinline__ void copy_row(const uint4* src, uint4* dst, int64_t row_vecs) {
   for (int64_t i0 = threadIdx.x % 32; i0 < row_vecs; i0 += 32 * kUnroll) {
     uint4 v[kUnroll];
 #pragma unroll
@@ -58,6 +40,15 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
     for (int u = 0; u < kUnroll; ++u)
       if (i0 + 32 * u < row_vecs) store<kStreaming>(dst + i0 + 32 * u, v[u]);
   }
+}
+
+template <bool kStreaming>
+__global__ void __launch_bounds__(32 * kRowsPerBlock)
+    gather_rows(const uint4* x, int64_t row_vecs, const int32_t* permuted_to_expanded, int top_k, int64_t rows,
+                uint4* out) {
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  if (row >= rows) return;
+  copy_row<kStreaming>(x + int64_t(permuted_to_expanded[row] / top_k) * row_vecs, out + row * row_vecs, row_vecs);
 }
 
 // Row order by position within the expert: virtual index v = i * E + e is the i-th row of expert e,
@@ -77,17 +68,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
     const int64_t i = v / experts;
     const int64_t row = offsets[e] + i;
     if (row >= offsets[e + 1]) continue;
-    const uint4* src = x + int64_t(permuted_to_expanded[row] / top_k) * row_vecs;
-    uint4* dst = out + row * row_vecs;
-    for (int64_t i0 = lane; i0 < row_vecs; i0 += 32 * kUnroll) {
-      uint4 v4[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i0 + 32 * u < row_vecs) v4[u] = __ldg(src + i0 + 32 * u);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (i0 + 32 * u < row_vecs) store<kStreaming>(dst + i0 + 32 * u, v4[u]);
-    }
+    copy_row<kStreaming>(x + int64_t(permuted_to_expanded[row] / top_k) * row_vecs, out + row * row_vecs, row_vecs);
   }
 }
 
@@ -122,15 +103,6 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
   }
 }
 
-__global__ void flush_read(const uint4* w, int64_t n, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcg(w + i);
-    acc ^= v.x ^ v.w;
-  }
-  if (acc == 0x12345678u) sink[0] = acc;
-}
-
 int main() {
   struct Case {
     const char* name;
@@ -140,15 +112,7 @@ int main() {
   const Case cases[] = {{"qwen3_30b T=4096", 4096, 2048, 128, 8},   {"qwen3_30b T=16384", 16384, 2048, 128, 8},
                         {"qwen3_235b T=4096", 4096, 4096, 128, 8},  {"qwen3_235b T=16384", 16384, 4096, 128, 8},
                         {"mixtral T=16384", 16384, 4096, 8, 2},     {"qwen3_30b T=16384 hot", 16384, 2048, 128, 8, true}};
-  const int64_t kFlushBytes = 256ll << 20;
-  uint8_t* flush;
-  uint32_t* sink;
-  CHECK(cudaMalloc(&flush, kFlushBytes));
-  CHECK(cudaMalloc(&sink, 4));
-  CHECK(cudaMemset(flush, 2, kFlushBytes));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
+  MedianTimer timer;
   std::printf("%-20s %9s %15s %15s %15s %15s %15s %15s   (us; TB/s of x once + the rows written)\n", "case", "MB",
               "row", "row_cs", "token", "token_cs", "lockstep", "lockstep_cs");
   std::mt19937 rng(0);
@@ -208,19 +172,7 @@ int main() {
       CHECK(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(want.data(), ref, want.size(), cudaMemcpyDeviceToHost));
       const bool same = got == want;
-      std::vector<float> ms;
-      for (int rep = 0; rep < 23; ++rep) {
-        flush_read<<<528, 512>>>(reinterpret_cast<const uint4*>(flush), kFlushBytes / 16, sink);
-        CHECK(cudaEventRecord(a));
-        run(variant);
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float t = 0;
-        CHECK(cudaEventElapsedTime(&t, a, b));
-        if (rep >= 3) ms.push_back(t);
-      }
-      std::sort(ms.begin(), ms.end());
-      const float med = ms[ms.size() / 2];
+      const float med = timer([&](int) { run(variant); });
       std::printf(" %7.1f (%4.2f)%s", med * 1e3, bytes / (med * 1e-3) / 1e12, same ? " " : "!");
     }
     std::printf("\n");

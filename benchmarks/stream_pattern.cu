@@ -9,21 +9,7 @@
 //   seg256 6slot  seg256 with 6 ring slots (80 KB in flight per CTA instead of 48)
 // Prints TB/s per pattern and case (median of 20 runs, each after a 256 MB read that empties L2).
 //   nvcc -O3 -arch=sm_90a -o /tmp/stream_pattern benchmarks/stream_pattern.cu && /tmp/stream_pattern
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <cstdint>
-#include <vector>
-
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e = (x);                                                                \
-    if (e != cudaSuccess) {                                                             \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));    \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
+#include "microbench.cuh"
 
 enum Pattern { kSeg256, kSeg512, kContig, kPlain, kSeg256Deep };
 
@@ -87,27 +73,13 @@ __global__ void __launch_bounds__(128, 2) ring_stream(const uint8_t* w, int item
   if (acc == 0x12345678u) sink[0] = acc;  // keeps the loads
 }
 
-__device__ void read_all(const uint4* w, int64_t n, uint32_t* sink) {
-  uint32_t acc = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcg(w + i);
-    acc ^= v.x ^ v.w;
-  }
-  if (acc == 0x12345678u) sink[0] = acc;
-}
-
-__global__ void plain_read(const uint4* w, int64_t n, uint32_t* sink) { read_all(w, n, sink); }
-__global__ void flush_read(const uint4* w, int64_t n, uint32_t* sink) { read_all(w, n, sink); }
-
 int main() {
-  const int64_t kFlushBytes = 256ll << 20, kBufBytes = 2ll << 30;
-  uint8_t *buf, *flush;
+  const int64_t kBufBytes = 2ll << 30;
+  uint8_t* buf;
   uint32_t* sink;
   CHECK(cudaMalloc(&buf, kBufBytes));
-  CHECK(cudaMalloc(&flush, kFlushBytes));
   CHECK(cudaMalloc(&sink, 4));
   CHECK(cudaMemset(buf, 1, kBufBytes));
-  CHECK(cudaMemset(flush, 2, kFlushBytes));
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   auto smem_of = [](int pattern) { return pattern == kSeg512 ? 3 * 32768 : pattern == kSeg256Deep ? 6 * 16384 : 4 * 16384; };
@@ -116,9 +88,7 @@ int main() {
   CHECK(cudaFuncSetAttribute(ring_stream<kContig>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(kContig)));
   CHECK(cudaFuncSetAttribute(ring_stream<kSeg256Deep>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              smem_of(kSeg256Deep)));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
+  MedianTimer timer;
   struct Case {
     const char* name;
     int k_bytes, items;
@@ -141,12 +111,9 @@ int main() {
     const int64_t bytes = int64_t(c.items) * 64 * c.k_bytes;
     std::printf("%-30s %8.1f", c.name, bytes / 1e6);
     for (int pattern = 0; pattern < 5; ++pattern) {
-      std::vector<float> ms;
-      for (int rep = 0; rep < 23; ++rep) {
-        flush_read<<<4 * sms, 512>>>(reinterpret_cast<const uint4*>(flush), kFlushBytes / 16, sink);
+      const float med = timer([&](int rep) {
         // A different region each rep: nothing of the case is in L2 from the rep before.
         const uint8_t* w = buf + (rep % 2) * (kBufBytes / 2);
-        CHECK(cudaEventRecord(a));
         const int grid = std::min(2 * sms, c.items);
         if (pattern == kSeg256)
           ring_stream<kSeg256><<<grid, 128, smem_of(kSeg256)>>>(w, c.items, c.k_bytes, sink);
@@ -157,15 +124,8 @@ int main() {
         else if (pattern == kSeg256Deep)
           ring_stream<kSeg256Deep><<<grid, 128, smem_of(kSeg256Deep)>>>(w, c.items, c.k_bytes, sink);
         else
-          plain_read<<<4 * sms, 512>>>(reinterpret_cast<const uint4*>(w), bytes / 16, sink);
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float t = 0;
-        CHECK(cudaEventElapsedTime(&t, a, b));
-        if (rep >= 3) ms.push_back(t);
-      }
-      std::sort(ms.begin(), ms.end());
-      const float med = ms[ms.size() / 2];
+          read_words_kernel<<<4 * sms, 512>>>(reinterpret_cast<const uint4*>(w), bytes / 16, sink);
+      });
       const bool fits = pattern != kSeg512 || (64 * c.k_bytes) % 32768 == 0;
       if (fits)
         std::printf(" %5.2f (%5.1f)", bytes / (med * 1e-3) / 1e12, med * 1e3);

@@ -116,6 +116,17 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
   return (act * up).to(moe_gemm_out_dtype(xq)).reshape({s.rows, s.intermediate});
 }
 
+// Renormalize top-k of router_logits [T, E]: the top_k largest (NaN lowest, ties to the lower id)
+// as int32 ids [T, k], and the softmax over those k as float32 weights [T, k].
+std::pair<at::Tensor, at::Tensor> renormalize_topk(const at::Tensor& router_logits, int64_t top_k) {
+  auto logits = router_logits.to(at::kFloat);
+  logits = at::where(logits.isnan(), at::full({}, -std::numeric_limits<float>::infinity(), logits.options()), logits);
+  // A stable descending sort keeps the lower expert id first among equal logits.
+  const auto sorted = at::sort(logits, /*stable=*/true, /*dim=*/1, /*descending=*/true);
+  return {std::get<1>(sorted).slice(1, 0, top_k).to(at::kInt).contiguous(),
+          at::softmax(std::get<0>(sorted).slice(1, 0, top_k), 1).contiguous()};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_routing(
     const c10::optional<at::Tensor>& router_logits, const c10::optional<at::Tensor>& topk_ids,
     const c10::optional<at::Tensor>& topk_weights, int64_t top_k, int64_t num_experts, int64_t num_local_experts,
@@ -124,12 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                     tile_size, "cake::moe_routing");
   at::Tensor ids, weights;
   if (router_logits) {
-    auto logits = router_logits->to(at::kFloat);
-    logits = at::where(logits.isnan(), at::full({}, -std::numeric_limits<float>::infinity(), logits.options()), logits);
-    // A stable descending sort keeps the lower expert id first among equal logits.
-    const auto sorted = at::sort(logits, /*stable=*/true, /*dim=*/1, /*descending=*/true);
-    ids = std::get<1>(sorted).slice(1, 0, top_k).to(at::kInt).contiguous();
-    weights = at::softmax(std::get<0>(sorted).slice(1, 0, top_k), 1).contiguous();
+    std::tie(ids, weights) = renormalize_topk(*router_logits, top_k);
   } else {
     ids = topk_ids->contiguous().clone();
     weights = topk_weights->contiguous().clone();
@@ -275,10 +281,10 @@ void moe_forward_from_logits_out(const at::Tensor& x, const at::Tensor& router_l
   const auto s = check_moe_forward_from_logits_out(x, router_logits, w1, w2, local_expert_offset, token_selected_experts,
                                                    token_final_scales, out, workspace, clamp_limits, x_scale, w1_scale,
                                                    fc2_scale, w2_scale, "cake::moe_forward_from_logits_out");
-  const auto routed = moe_routing(router_logits, c10::nullopt, c10::nullopt, s.top_k, router_logits.size(1),
-                                  s.num_local_experts, local_expert_offset, /*tile_size=*/64);
-  token_selected_experts.copy_(std::get<0>(routed));
-  token_final_scales.copy_(std::get<1>(routed));
+  // The routing only: moe_forward_out sorts the routes itself.
+  const auto [ids, weights] = renormalize_topk(router_logits, s.top_k);
+  token_selected_experts.copy_(ids);
+  token_final_scales.copy_(weights);
   moe_forward_out(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out, workspace,
                   enable_pdl, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale);
 }

@@ -88,7 +88,8 @@ MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t inte
   w.gemm_offset = w.h_offset + align(w.h_bytes);
   w.gemm_bytes = grouped_gemm_workspace_bytes(num_local_experts);
   w.scale_offset = w.gemm_offset + align(w.gemm_bytes);
-  w.total = w.scale_offset + 2 * sizeof(float);
+  w.inverse_offset = w.scale_offset + align(2 * sizeof(float));  // the gather's [rows + 1] int32 scratch
+  w.total = w.inverse_offset + (rows + 1) * int64_t(sizeof(int32_t));
   return w;
 }
 

@@ -20,7 +20,7 @@ inline int64_t moe_routing_workspace_bytes(int64_t routes, int64_t num_local_exp
 // each at a 256-byte aligned byte offset.
 struct MoeGemm1Workspace {
   int64_t gathered_bytes = 0, h_offset = 0, h_bytes = 0, gemm_offset = 0, gemm_bytes = 0, scale_offset = 0,
-          total = 0;
+          inverse_offset = 0, total = 0;
 };
 MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,
                                       int64_t element_size);

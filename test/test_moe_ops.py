@@ -136,6 +136,27 @@ def test_cuda_stages_match_cpu_stages(case, dtype):
     assert torch.equal(into, out_cuda)
 
 
+@cuda_only
+@pytest.mark.parametrize("mapping", ["sorted", "duplicate_row"])
+def test_gemm1_gathers_a_large_x_in_token_order(mapping):
+    """x of 16 MB or more is gathered in token order (read once) when the rows are a permutation of the kept
+    routes, and row by row otherwise (two rows naming one route); an EP shard drops some routes. Against the
+    CPU op."""
+    t, k, e, e_local, offset, hidden, inter = 4096, 2, 16, 8, 4, 2048, 64
+    x, ids, _, w1, _ = moe_problem(t, k, e, e_local, hidden, inter, "cpu", torch.bfloat16)
+    assert x.numel() * x.element_size() >= 16 << 20  # the token-order threshold (kTokenOrderMinXBytes)
+    w1 = interleave_up_gate_sm90(w1)
+    _, offsets, p2e, _, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 64)
+    kept = int(offsets[-1])
+    assert 0 < kept < t * k
+    if mapping == "duplicate_row":
+        p2e = p2e.clone()
+        p2e[1] = p2e[0]
+    want = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k)
+    got = torch.ops.cake.moe_gemm1_swiglu(x.cuda(), w1.cuda(), p2e.cuda(), offsets.cuda(), k).cpu()
+    torch.testing.assert_close(got[:kept], want[:kept], rtol=2e-2, atol=2e-2)
+
+
 # GEMM1's SwiGLU twins (configs_sm90.inc): the fwd tiles whose epilogue applies the SwiGLU(Step) and stores
 # [rows, I] directly. Per family: (tactic name prefix, tiles with a twin).
 SWIGLU_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",

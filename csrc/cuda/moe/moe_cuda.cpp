@@ -290,7 +290,9 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
     gathered_scale = slots.narrow(0, 0, 1);
   } else {
     sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
-                          static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), stream, enable_pdl);
+                          static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(),
+                          reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + layout.inverse_offset), stream,
+                          enable_pdl);
   }
   auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
   shape.expected_rows = expected_rows;

@@ -32,9 +32,10 @@ void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bo
 
 // gathered[p] = x[permuted_to_expanded[p] / top_k] for the kept rows p < *num_kept; the rest
 // of `gathered` is left untouched (the grouped GEMM reads no row past the last group end). An
-// index outside [0, rows) is a device-side error.
+// index outside [0, rows) is a device-side error. `inverse` ([rows + 1] int32 scratch, or null)
+// lets a large x be gathered in token order (read once).
 void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_to_expanded,
-                     int top_k, const int32_t* num_kept, int64_t rows, void* gathered,
+                     int top_k, const int32_t* num_kept, int64_t rows, void* gathered, int32_t* inverse,
                      cudaStream_t stream, bool pdl);
 
 // moe_gather_rows of bfloat16 x quantized to e4m3 on the way: gathered[p] = e4m3(x[token] / s)

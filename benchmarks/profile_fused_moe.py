@@ -39,7 +39,8 @@ def print_profile(label, us, floor_us, tflops, kernels):
 def short_name(name):
     if "GemmUniversal" in name:
         return "grouped GEMM (CUTLASS)"
-    for word in ("moe_route_and_sort", "moe_sort", "moe_gather", "moe_swiglu", "moe_finalize", "prepare_groups",
+    for word in ("moe_route_and_sort", "moe_sort", "moe_invert", "moe_gather", "moe_swiglu", "moe_finalize",
+                 "prepare_groups",
                  "moe_topk_softmax", "fp8_amax", "fp8_quantize", "fp8_scale_from_amax"):
         if word in name:
             return word

@@ -39,8 +39,9 @@ def sort_reference(ids, num_experts, num_local, offset, tile):
 
 
 # Larger than one warp's segment, and many experts (fewer sorting warps fit in shared memory).
+# qwen3_t1024: two blocks (E=128).
 SORT_CASES = dict(ROUTING_CASES, kimi_ep8_shard=(4096, 8, 384, 48, 96), many_experts=(3000, 4, 4096, 4096, 0),
-                  all_dropped=(50, 4, 64, 8, 56))
+                  all_dropped=(50, 4, 64, 8, 56), qwen3_t1024=(1024, 8, 128, 128, 0))
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
 

@@ -279,6 +279,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   auto gemm_workspace = workspace.narrow(0, layout.gemm_offset, layout.gemm_bytes);
 
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
+  auto* inverse = reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + layout.inverse_offset);
   c10::optional<at::Tensor> gathered_scale = x_scale;
   if (quantize_x) {
     // [0]: the scale the gather quantizes with (what the GEMM scales by), [1]: a dynamic scale's amax.
@@ -286,12 +287,11 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
     sm90::moe_gather_quantize_rows(x.data_ptr(), x.size(0), x.size(1), permuted_to_expanded.data_ptr<int32_t>(),
                                    static_cast<int>(top_k), num_kept, s.rows,
                                    x_scale ? x_scale->data_ptr<float>() : nullptr, slots.data_ptr<float>(),
-                                   gathered.data_ptr(), stream, enable_pdl);
+                                   gathered.data_ptr(), inverse, stream, enable_pdl);
     gathered_scale = slots.narrow(0, 0, 1);
   } else {
     sm90::moe_gather_rows(x.data_ptr(), x.size(1) * x.element_size(), permuted_to_expanded.data_ptr<int32_t>(),
-                          static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(),
-                          reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + layout.inverse_offset), stream,
+                          static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), inverse, stream,
                           enable_pdl);
   }
   auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);

@@ -41,10 +41,11 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
 // moe_gather_rows of bfloat16 x quantized to e4m3 on the way: gathered[p] = e4m3(x[token] / s)
 // (hidden % 16 == 0). s = *static_scale, or with static_scale null the dynamic
 // max(amax(|x|), 1e-12) / 448 over all of x ([tokens, hidden]); slots[0] = s (float32), slots[1]
-// holds the amax on the way. Bit for bit fp8_quantize then moe_gather_rows.
+// holds the amax on the way. Bit for bit fp8_quantize then moe_gather_rows. `inverse` as
+// moe_gather_rows'.
 void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, const int32_t* permuted_to_expanded,
                               int top_k, const int32_t* num_kept, int64_t rows, const float* static_scale,
-                              float* slots, void* gathered, cudaStream_t stream, bool pdl);
+                              float* slots, void* gathered, int32_t* inverse, cudaStream_t stream, bool pdl);
 
 // out[p, j] = silu(gate) * up of h[p] ([rows, 2I], up/gate interleaved at 32 columns), in fp32,
 // rounded once to the element type; rows p >= offsets[E] get zeros. With `limits` (float32

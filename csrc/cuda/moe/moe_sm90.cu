@@ -333,14 +333,24 @@ __global__ void moe_invert_kernel(const int32_t* permuted_to_expanded, const int
   }
 }
 
+// Where moe_gather_tokens_kernel's rows go: copied as they are (16 bytes of x to 16 bytes).
+struct CopiedRows {
+  uint4* gathered;
+  __device__ __forceinline__ void prepare() {}
+  __device__ __forceinline__ void put(int64_t index, const uint4& v) const { gathered[index] = v; }
+};
+
 // One warp per token: x[t] read once, written to the permuted rows of its kept routes; or, when
 // the mapping is no permutation, the warp copies the permuted rows [t * top_k, (t + 1) * top_k).
+// `out` (CopiedRows, QuantizedRows) writes 16-byte piece `index` of the gathered rows.
+template <class Rows>
 __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
     moe_gather_tokens_kernel(const uint4* x, int64_t row_vecs, const int32_t* permuted_to_expanded, int top_k,
                              const int32_t* num_kept, int64_t tokens, int64_t rows, const int32_t* inverse,
-                             uint4* gathered) {
+                             Rows out) {
   pdl_wait();
   pdl_launch_dependents();
+  out.prepare();
   const int64_t t = int64_t(blockIdx.x) * kGatherRowsPerBlock + threadIdx.x / 32;
   if (t >= tokens) return;
   constexpr int kCopyUnroll = 8;
@@ -348,7 +358,7 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
     const int64_t kept = min(int64_t(*num_kept), rows);
     for (int64_t row = t * top_k; row < (t + 1) * top_k && row < kept; ++row) {
       const uint4* __restrict__ src = x + gathered_token(permuted_to_expanded, row, rows, top_k) * row_vecs;
-      for (int64_t i = threadIdx.x % 32; i < row_vecs; i += 32) gathered[row * row_vecs + i] = __ldg(src + i);
+      for (int64_t i = threadIdx.x % 32; i < row_vecs; i += 32) out.put(row * row_vecs + i, __ldg(src + i));
     }
     return;
   }
@@ -364,10 +374,27 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
       if (row < 0) continue;
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
-        if (i0 + 32 * u < row_vecs) gathered[int64_t(row) * row_vecs + i0 + 32 * u] = v[u];
+        if (i0 + 32 * u < row_vecs) out.put(int64_t(row) * row_vecs + i0 + 32 * u, v[u]);
       }
     }
   }
+}
+
+// The token-order gather of `rows` routes: the inverse (memset, invert), then one warp per token.
+template <class Rows>
+void launch_gather_tokens(const void* x, int64_t row_vecs, const int32_t* permuted_to_expanded, int top_k,
+                          const int32_t* num_kept, int64_t rows, int32_t* inverse, Rows out, cudaStream_t stream,
+                          bool pdl) {
+  // The memset is no kernel: the invert kernel after it launches without PDL.
+  C10_CUDA_CHECK(cudaMemsetAsync(inverse, 0xff, (rows + 1) * sizeof(int32_t), stream));
+  const int64_t invert_blocks = std::min<int64_t>((rows + 255) / 256, 4096);
+  launch_kernel(moe_invert_kernel, dim3(static_cast<unsigned>(invert_blocks)), dim3(256), 0, stream, false,
+                permuted_to_expanded, num_kept, rows, inverse);
+  const int64_t tokens = rows / top_k;
+  const int64_t blocks = (tokens + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock;
+  launch_kernel(moe_gather_tokens_kernel<Rows>, dim3(static_cast<unsigned>(blocks)), dim3(32 * kGatherRowsPerBlock),
+                0, stream, pdl, static_cast<const uint4*>(x), row_vecs, permuted_to_expanded, top_k, num_kept, tokens,
+                rows, static_cast<const int32_t*>(inverse), out);
 }
 
 // ---- element conversions (8 values per 16 bytes) ----------------------------------------------
@@ -695,6 +722,18 @@ __global__ void __launch_bounds__(kQuantOneBlockThreads)
   quantize_strided(x, n, scale, out, threadIdx.x, blockDim.x);
 }
 
+// Eight bfloat16 values (16 bytes) quantized to e4m3 by `scale`.
+struct alignas(8) Bytes8 {
+  __nv_fp8_storage_t b[8];
+};
+__device__ __forceinline__ Bytes8 quantize8(const uint4& v, float scale) {
+  const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+  Bytes8 q;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) q.b[j] = quantize_e4m3(load_float(e + j), scale);
+  return q;
+}
+
 // The gather of GEMM1's rows quantized to e4m3 on the way (bfloat16 x with fp8 weights): one
 // warp per row as moe_gather_kernel, 8 elements per 16-byte load. The scale: static (*static_scale),
 // or dynamic from the amax of all of x: each block's own (kOwnAmax: small x, read from L2 by every
@@ -723,21 +762,26 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
   const int64_t row = int64_t(blockIdx.x) * kGatherRowsPerBlock + warp;
   if (row >= rows || row >= *num_kept) return;
-  struct alignas(8) Bytes8 {
-    __nv_fp8_storage_t b[8];
-  };
   const uint4* __restrict__ src =
       reinterpret_cast<const uint4*>(x + gathered_token(permuted_to_expanded, row, rows, top_k) * hidden);
   Bytes8* __restrict__ dst = reinterpret_cast<Bytes8*>(gathered + row * hidden);
-  for (int64_t i = lane; i < hidden / 8; i += 32) {
-    const uint4 v = src[i];
-    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-    Bytes8 q;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) q.b[j] = quantize_e4m3(load_float(e + j), scale);
-    dst[i] = q;
-  }
+  for (int64_t i = lane; i < hidden / 8; i += 32) dst[i] = quantize8(src[i], scale);
 }
+
+// moe_gather_tokens_kernel's rows quantized to e4m3 (16 bytes of bfloat16 x to 8), by the static
+// scale or the one from the amax a fp8_amax_kernel left in amax_bits; block 0 writes it to *scale_out.
+struct QuantizedRows {
+  Bytes8* gathered;
+  const float* static_scale;
+  const unsigned* amax_bits;
+  float* scale_out;
+  float scale;
+  __device__ __forceinline__ void prepare() {
+    scale = static_scale != nullptr ? *static_scale : amax_to_scale(__uint_as_float(*amax_bits));
+    if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
+  }
+  __device__ __forceinline__ void put(int64_t index, const uint4& v) const { gathered[index] = quantize8(v, scale); }
+};
 
 template <class T>
 void launch_fp8_quantize(const T* x, int64_t n, const float* scale, __nv_fp8_storage_t* out, float* scale_out,
@@ -823,17 +867,9 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
                      bool pdl) {
   if (rows == 0 || row_bytes == 0) return;
   TORCH_CHECK(row_bytes % 16 == 0, "cake MoE gather: rows must be 16-byte multiples (internal error)");
-  const int64_t tokens = rows / top_k;
-  if (inverse != nullptr && tokens * row_bytes >= kTokenOrderMinXBytes) {
-    // The memset is no kernel: the invert kernel after it launches without PDL.
-    C10_CUDA_CHECK(cudaMemsetAsync(inverse, 0xff, (rows + 1) * sizeof(int32_t), stream));
-    const int64_t invert_blocks = std::min<int64_t>((rows + 255) / 256, 4096);
-    launch_kernel(moe_invert_kernel, dim3(static_cast<unsigned>(invert_blocks)), dim3(256), 0, stream, false,
-                  permuted_to_expanded, num_kept, rows, inverse);
-    const int64_t blocks = (tokens + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock;
-    launch_kernel(moe_gather_tokens_kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * kGatherRowsPerBlock), 0,
-                  stream, pdl, static_cast<const uint4*>(x), row_bytes / 16, permuted_to_expanded, top_k, num_kept,
-                  tokens, rows, static_cast<const int32_t*>(inverse), static_cast<uint4*>(gathered));
+  if (inverse != nullptr && rows / top_k * row_bytes >= kTokenOrderMinXBytes) {
+    launch_gather_tokens(x, row_bytes / 16, permuted_to_expanded, top_k, num_kept, rows, inverse,
+                         CopiedRows{static_cast<uint4*>(gathered)}, stream, pdl);
     return;
   }
   const int64_t blocks = (rows + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock;
@@ -844,7 +880,7 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
 
 void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, const int32_t* permuted_to_expanded,
                               int top_k, const int32_t* num_kept, int64_t rows, const float* static_scale,
-                              float* slots, void* gathered, cudaStream_t stream, bool pdl) {
+                              float* slots, void* gathered, int32_t* inverse, cudaStream_t stream, bool pdl) {
   if (rows == 0 || hidden == 0) return;
   TORCH_CHECK(hidden % 16 == 0, "cake MoE gather: hidden must be a multiple of 16 (internal error)");
   const auto xb = static_cast<const __nv_bfloat16*>(x);
@@ -853,7 +889,14 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
   const dim3 block(32 * kGatherRowsPerBlock);
   auto q = static_cast<__nv_fp8_storage_t*>(gathered);
   auto amax_bits = reinterpret_cast<unsigned*>(slots + 1);
+  const bool token_order = inverse != nullptr && n * int64_t(sizeof(__nv_bfloat16)) >= kTokenOrderMinXBytes;
+  const QuantizedRows quantized{static_cast<Bytes8*>(gathered), static_scale, amax_bits, slots, 0.0f};
   if (static_scale != nullptr) {
+    if (token_order) {
+      launch_gather_tokens(x, hidden / 8, permuted_to_expanded, top_k, num_kept, rows, inverse, quantized, stream,
+                           pdl);
+      return;
+    }
     launch_kernel(moe_gather_quantize_kernel<GatherScale::kStatic>, grid, block, 0, stream, pdl, xb, n, hidden,
                   permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
   } else if (n <= kQuantOneBlockMaxElements) {
@@ -866,6 +909,11 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
     const int64_t amax_blocks = std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kQuantMaxBlocks);
     launch_kernel(fp8_amax_kernel<__nv_bfloat16>, dim3(static_cast<unsigned>(amax_blocks)), dim3(kQuantThreads), 0,
                   stream, false, xb, n, amax_bits);
+    if (token_order) {
+      launch_gather_tokens(x, hidden / 8, permuted_to_expanded, top_k, num_kept, rows, inverse, quantized, stream,
+                           pdl);
+      return;
+    }
     launch_kernel(moe_gather_quantize_kernel<GatherScale::kAmaxBits>, grid, block, 0, stream, pdl, xb, n, hidden,
                   permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
   }

@@ -380,5 +380,5 @@ def _moe_forward_from_logits_out_fake(x, router_logits, w1, w2, local_expert_off
     num_experts = router_logits.shape[1]
     _check(1 <= top_k <= num_experts, f"{op}: top_k must be in [1, num_experts={num_experts}], got {top_k}")
     _check(local_expert_offset + num_local <= num_experts,
-           f"{op}: the shard [local_expert_offset, + E_local) = [{local_expert_offset}, "
-           f"{local_expert_offset + num_local}) must lie in [0, num_experts={num_experts})")
+           f"{op}: the shard [local_expert_offset, local_expert_offset + num_local_experts) = "
+           f"[{local_expert_offset}, {local_expert_offset + num_local}) must lie within [0, num_experts={num_experts})")

@@ -32,3 +32,16 @@ cake_build() {
     cmake --build --preset sm90 --parallel "${MAX_JOBS:-$(nproc)}" &&
     find csrc -type f -print0 | xargs -0 md5sum > "$manifest"
 }
+
+# Time guards for a call script (one device call runs at most 600 s): `el` is the seconds since
+# this file was sourced; `run_by END NEED CMD...` runs CMD under a timeout that ends at END s, or,
+# with fewer than NEED s left, skips it and says so (a step started without its time only wastes it).
+CAKE_CALL_START=$(date +%s)
+el() { echo $(( $(date +%s) - CAKE_CALL_START )); }
+run_by() {
+  local end=$1 need=$2
+  shift 2
+  local left=$(( end - $(el) ))
+  if [ "$left" -lt "$need" ]; then echo "(skipped for time at $(el) s: $*)"; return 0; fi
+  timeout "$left" "$@"
+}

@@ -889,34 +889,28 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
   const dim3 block(32 * kGatherRowsPerBlock);
   auto q = static_cast<__nv_fp8_storage_t*>(gathered);
   auto amax_bits = reinterpret_cast<unsigned*>(slots + 1);
-  const bool token_order = inverse != nullptr && n * int64_t(sizeof(__nv_bfloat16)) >= kTokenOrderMinXBytes;
-  const QuantizedRows quantized{static_cast<Bytes8*>(gathered), static_scale, amax_bits, slots, 0.0f};
-  if (static_scale != nullptr) {
-    if (token_order) {
-      launch_gather_tokens(x, hidden / 8, permuted_to_expanded, top_k, num_kept, rows, inverse, quantized, stream,
-                           pdl);
-      return;
-    }
-    launch_kernel(moe_gather_quantize_kernel<GatherScale::kStatic>, grid, block, 0, stream, pdl, xb, n, hidden,
-                  permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
-  } else if (n <= kQuantOneBlockMaxElements) {
-    launch_kernel(moe_gather_quantize_kernel<GatherScale::kOwnAmax>, grid, block, 0, stream, pdl, xb, n, hidden,
-                  permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
-  } else {
+  const bool own_amax = static_scale == nullptr && n <= kQuantOneBlockMaxElements;
+  if (static_scale == nullptr && !own_amax) {
     // The memset is no kernel: the amax kernel after it launches without PDL.
     C10_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned), stream));
     const int64_t per_block = int64_t(kQuantThreads) * kQuantVec<__nv_bfloat16>;
     const int64_t amax_blocks = std::clamp<int64_t>((n + per_block - 1) / per_block, 1, kQuantMaxBlocks);
     launch_kernel(fp8_amax_kernel<__nv_bfloat16>, dim3(static_cast<unsigned>(amax_blocks)), dim3(kQuantThreads), 0,
                   stream, false, xb, n, amax_bits);
-    if (token_order) {
-      launch_gather_tokens(x, hidden / 8, permuted_to_expanded, top_k, num_kept, rows, inverse, quantized, stream,
-                           pdl);
-      return;
-    }
-    launch_kernel(moe_gather_quantize_kernel<GatherScale::kAmaxBits>, grid, block, 0, stream, pdl, xb, n, hidden,
-                  permuted_to_expanded, top_k, num_kept, rows, static_scale, amax_bits, slots, q);
   }
+  // Token order takes the static scale or the amax kernel's: its x is past kOwnAmax's size.
+  static_assert(kTokenOrderMinXBytes / int64_t(sizeof(__nv_bfloat16)) > kQuantOneBlockMaxElements);
+  if (inverse != nullptr && n * int64_t(sizeof(__nv_bfloat16)) >= kTokenOrderMinXBytes) {
+    launch_gather_tokens(x, hidden / 8, permuted_to_expanded, top_k, num_kept, rows, inverse,
+                         QuantizedRows{static_cast<Bytes8*>(gathered), static_scale, amax_bits, slots, 0.0f}, stream,
+                         pdl);
+    return;
+  }
+  auto kernel = static_scale != nullptr ? moe_gather_quantize_kernel<GatherScale::kStatic>
+                : own_amax              ? moe_gather_quantize_kernel<GatherScale::kOwnAmax>
+                                        : moe_gather_quantize_kernel<GatherScale::kAmaxBits>;
+  launch_kernel(kernel, grid, block, 0, stream, pdl, xb, n, hidden, permuted_to_expanded, top_k, num_kept, rows,
+                static_scale, amax_bits, slots, q);
 }
 
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,

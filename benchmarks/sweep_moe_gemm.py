@@ -71,8 +71,9 @@ def model_shapes(args, timer):
         for t in map(int, args.tokens.split(",")):
             seed_case(name, t)
             x = torch.randn(t, h, device="cuda").bfloat16()
-            ids, _ = routing(t, e, k, "cuda")
-            _, offsets, p2e, _, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 128)
+            ids, scales = routing(t, e, k, "cuda")
+            _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 128)
+            out = x.new_empty(t, h)
             act = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k)
 
             def gemm1(tactic):
@@ -80,8 +81,14 @@ def model_shapes(args, timer):
 
             def gemm2(tactic):
                 return lambda: torch.ops.cake.moe_gemm2(act, w2, offsets, True, tactic)
+
+            def gemm2_finalize(tactic):  # the fused finalize (the scatter epilogue twin where there is one)
+                return lambda: torch.ops.cake.moe_gemm2_finalize_out(act, w2, offsets, p2e, e2p, scales, out, True,
+                                                                     tactic, -1)
             sweep(timer, f"{name} bf16 T={t} gemm1", tactics, gemm1, 2 * t * k * 2 * inter * h, args.top)
             sweep(timer, f"{name} bf16 T={t} gemm2", tactics, gemm2, 2 * t * k * h * inter, args.top)
+            sweep(timer, f"{name} bf16 T={t} gemm2 fused finalize", tactics, gemm2_finalize, 2 * t * k * h * inter,
+                  args.top)
 
 
 def main():

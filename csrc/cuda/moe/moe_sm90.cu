@@ -110,10 +110,11 @@ __device__ void count_chunk(const MoeSortArgs& a, int64_t begin, int64_t end, in
     for (int64_t base = seg.begin; base < seg.end; base += kSortStep) {
       int keys[kSortUnroll];
       load_keys(a, base, seg.end, lane, keys);
+      // Counts need no order among equal keys: shared-memory atomics, not match_any (whose cost
+      // per step is what benchmarks/sort_variants.cu measures).
 #pragma unroll
       for (int u = 0; u < kSortUnroll; ++u) {
-        const unsigned peers = __match_any_sync(0xffffffffu, keys[u]);
-        if (keys[u] >= 0 && lane == __ffs(peers) - 1) mine[keys[u]] += __popc(peers);
+        if (keys[u] >= 0) atomicAdd(mine + keys[u], 1);
       }
     }
   }

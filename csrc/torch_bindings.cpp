@@ -227,14 +227,22 @@ PyObject* set_grouped_gemm_tactic(PyObject*, PyObject* args) {
 }
 
 // The tactic a launch of this problem would run now (override, tuned or heuristic); expected_rows:
-// the MoE GEMMs' expected_routes hint (-1: sum_m).
+// the MoE GEMMs' expected_routes hint (-1: sum_m); epilogue: "none", or the twin that will run the
+// tactic ("swiglu": MoE GEMM1, "scatter": MoE GEMM2 with the fused finalize).
 PyObject* grouped_gemm_tactic_for(PyObject*, PyObject* args) {
   const char* family = nullptr;
+  const char* epilogue = "none";
   long long e = 0, sum_m = 0, n = 0, k = 0, expected_rows = -1;
-  if (!PyArg_ParseTuple(args, "sLLLL|L", &family, &e, &sum_m, &n, &k, &expected_rows)) return nullptr;
+  if (!PyArg_ParseTuple(args, "sLLLL|Ls", &family, &e, &sum_m, &n, &k, &expected_rows, &epilogue)) return nullptr;
   try {
+    const std::string kind = epilogue;
+    TORCH_CHECK(kind == "none" || kind == "swiglu" || kind == "scatter",
+                "grouped_gemm_tactic_for: epilogue must be none, swiglu or scatter, got '", kind, "'");
+    const auto twin = kind == "swiglu"    ? cake::EpilogueTwin::kSwiGlu
+                      : kind == "scatter" ? cake::EpilogueTwin::kScatter
+                                          : cake::EpilogueTwin::kNone;
     cake::GroupedGemmShape s{e, sum_m, n, k, false, expected_rows};
-    return PyLong_FromLong(cake::choose_tactic_sm90(cake::tactic_family(family), s));
+    return PyLong_FromLong(cake::choose_tactic_sm90(cake::tactic_family(family), s, twin));
   } catch (const c10::Error& err) {
     PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
     return nullptr;

@@ -94,7 +94,7 @@ bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
       const auto& table = tactics_sm90(family);
       TORCH_CHECK(forced_tactic < static_cast<int64_t>(table.size()), op, ": tactic must be below ", table.size(),
                   ", got ", forced_tactic);
-      const Tactic& tactic = table[forced_tactic >= 0 ? forced_tactic : choose_tactic_sm90(family, s)];
+      const Tactic& tactic = table[forced_tactic >= 0 ? forced_tactic : choose_tactic_sm90(family, s, twin.twin)];
       const GroupedGemmLaunchFn fn = epilogue_twin_sm90(tactic, twin.twin);
       if (fn == nullptr) return false;
       p.raster_along_n = tactic.raster_along_n;

@@ -94,6 +94,7 @@ int find(TacticFamily family, const std::string& name) {
 struct HeuristicChoices {
   int few_rows;           // a few rows per group: weight-bandwidth bound
   int few_rows_narrow;    // the same with half the weight rows per tile, for fuller waves; -1: none
+  int small_groups;       // 33 to 384 rows per group, except under the fused finalize; -1: none
   int medium_groups;      // up to 2048 rows per group, N tiles pair up (else large_groups_odd); -1: none
   int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
   int large_groups_odd;   // large groups, an odd number of 256-wide N tiles
@@ -116,8 +117,10 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
         case TacticFamily::kFwdF16:
           // Decode with few experts touched: 64x16x256 pingpong, 9% over 128x32x128 on the StepFun fc1 at T=1
           // (sweep_moe_gemm.py; float16 has no such configuration).
+          // Small groups (bfloat16): 64x256 pingpong, results/sweep_moe_gemm_h200_mid_t.txt (session 16).
           c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"),
                   fam == TacticFamily::kFwdBf16 ? named("swapab_ping_64x16x256_c1x1") : -1,
+                  fam == TacticFamily::kFwdBf16 ? named("ping_64x256x64_c1x1") : -1,
                   named("coop_128x256x" + k64 + "_c1x2"), coop_1x2, coop_2x1,
                   named("ping_128x128x" + k64 + "_c1x1_rasterN")};
           break;
@@ -126,14 +129,14 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
           // expert up, 128x256 cooperative with the 1x2 cluster leads (837-966 TFLOP/s, 8-18% over
           // 128x128 pingpong); no medium-group or weight-in-L2 rule measured for fp8.
           // Decode with few experts touched: the bf16 rule's 64x16 tile, K stages of the same bytes.
-          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"), -1, coop_1x2,
-                  coop_2x1, -1};
+          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"), -1, -1,
+                  coop_1x2, coop_2x1, -1};
           break;
         case TacticFamily::kDgradBf16:
-          c[f] = {named("ping_64x256x64_c1x1"), -1, named("coop_128x256x64_c1x2"), coop_1x2, coop_2x1, -1};
+          c[f] = {named("ping_64x256x64_c1x1"), -1, -1, named("coop_128x256x64_c1x2"), coop_1x2, coop_2x1, -1};
           break;
         default:  // wgrad: the groups' rows are the reduction; the output is E dense N x K tiles
-          c[f] = {coop_2x1, -1, -1, coop_1x2, coop_2x1, -1};
+          c[f] = {coop_2x1, -1, -1, -1, coop_1x2, coop_2x1, -1};
       }
     }
     return c;
@@ -211,7 +214,7 @@ GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin) 
   }
 }
 
-int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
+int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin) {
   const int forced = tactic_override_sm90(family);
   if (forced >= 0) return forced;
   {
@@ -234,6 +237,16 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s) {
   const int64_t rows_per_group = s.num_groups > 0 ? rows / s.num_groups : rows;
   if (rows_per_group <= 32) {
     return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
+  }
+  // 33 to 384 rows per group (the MoE GEMMs of Qwen3 at T = 1024 and 4096, Mixtral at T = 1024):
+  // 64-row tiles waste fewer rows of each group's last tile, and the pingpong overlaps one warp
+  // group's epilogue with the other's MMAs. The H200 sweep: GEMM1 (SwiGLU twin) -2 to -8%
+  // (Qwen3-235B T=4096 1617.6 -> 1487.2 us), plain GEMM2 -4 to -10%; GEMM2 under the fused finalize
+  // loses with it (its scatter epilogue takes longer than the other warp group's MMAs), and from
+  // 1024 rows per group up the cooperative tile leads (Mixtral T=4096 GEMM1 +2%).
+  constexpr int64_t kSmallGroupRows = 384;
+  if (c.small_groups >= 0 && rows_per_group <= kSmallGroupRows && twin != EpilogueTwin::kScatter) {
+    return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an
   // H100's L2): sweeping along N keeps the expert's weight in L2 and re-reads x tiles from it,

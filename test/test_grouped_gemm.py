@@ -361,14 +361,15 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
     ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_coop_128x256x64_c1x2_rasterN_swz4", "none"),
     ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1", "none"),          # 3 N tiles
     ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4", "none"),
-    # Small groups (33 to 384 rows): 64x256 pingpong for bfloat16 fwd, not under the fused finalize.
-    ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_ping_64x256x64_c1x1", "none"),                # Qwen3-30B T=1024 GEMM1
-    ("fwd", 128, 32768, 4096, 1536, "fwd_bf16_ping_64x256x64_c1x1", "none"),               # Qwen3-235B T=4096 GEMM2
-    ("fwd", 128, 8192, 2048, 768, "fwd_bf16_coop_128x256x64_c1x2", "scatter"),     # ... fused finalize
+    # Small groups (129 to 384 rows): 64x256 pingpong for bfloat16 fwd, not under the fused finalize.
+    ("fwd", 128, 32768, 1536, 2048, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),     # Qwen3-30B T=4096 GEMM1
+    ("fwd", 128, 32768, 4096, 1536, "fwd_bf16_ping_64x256x64_c1x1", "none"),       # Qwen3-235B T=4096 GEMM2
+    ("fwd", 128, 32768, 2048, 768, "fwd_bf16_coop_128x256x64_c1x2", "scatter"),    # ... fused finalize
     ("fwd", 8, 2048, 28672, 4096, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),       # Mixtral T=1024 GEMM1
     ("fwd", 8, 8192, 28672, 4096, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),      # 1024 rows per group
-    ("fwd_f16", 128, 8192, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),            # float16: no such tile
-    ("fwd_e4m3", 64, 4096, 3072, 4096, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "none"),  # fp8: not measured
+    ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),     # 64: weight-bound
+    ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
+    ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "none"),  # fp8: not measured
 ])
 def test_heuristic_choices(family, e, sum_m, n, k, expected, epilogue):
     names = cake_ops._C.grouped_gemm_tactics(family)
@@ -382,6 +383,8 @@ def test_heuristic_expected_rows():
     names = cake_ops._C.grouped_gemm_tactics("fwd")
     tactic_for = cake_ops._C.grouped_gemm_tactic_for
     assert names[tactic_for("fwd", 48, 8192, 4096, 7168)] == "fwd_bf16_ping_64x256x64_c1x1"  # 170 rows per expert
+    # T=4096: 85 rows per expert, weight-bound: not the 64-row tiles (20% slower there).
+    assert names[tactic_for("fwd", 48, 32768, 4096, 7168, 4096)] == "fwd_bf16_coop_128x256x64_c1x2"
     assert names[tactic_for("fwd", 48, 8192, 4096, 7168, 1024)] == "fwd_bf16_swapab_coop_128x32x128_c1x1"
     assert tactic_for("fwd", 48, 8192, 4096, 7168, -1) == tactic_for("fwd", 48, 8192, 4096, 7168)
     # A hint above sum_m counts as sum_m.

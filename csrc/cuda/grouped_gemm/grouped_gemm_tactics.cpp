@@ -94,7 +94,7 @@ int find(TacticFamily family, const std::string& name) {
 struct HeuristicChoices {
   int few_rows;           // a few rows per group: weight-bandwidth bound
   int few_rows_narrow;    // the same with half the weight rows per tile, for fuller waves; -1: none
-  int small_groups;       // 33 to 384 rows per group, except under the fused finalize; -1: none
+  int small_groups;       // 129 to 384 rows per group, except under the fused finalize; -1: none
   int medium_groups;      // up to 2048 rows per group, N tiles pair up (else large_groups_odd); -1: none
   int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
   int large_groups_odd;   // large groups, an odd number of 256-wide N tiles
@@ -238,14 +238,18 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   if (rows_per_group <= 32) {
     return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
   }
-  // 33 to 384 rows per group (the MoE GEMMs of Qwen3 at T = 1024 and 4096, Mixtral at T = 1024):
-  // 64-row tiles waste fewer rows of each group's last tile, and the pingpong overlaps one warp
-  // group's epilogue with the other's MMAs. The H200 sweep: GEMM1 (SwiGLU twin) -2 to -8%
-  // (Qwen3-235B T=4096 1617.6 -> 1487.2 us), plain GEMM2 -4 to -10%; GEMM2 under the fused finalize
-  // loses with it (its scatter epilogue takes longer than the other warp group's MMAs), and from
-  // 1024 rows per group up the cooperative tile leads (Mixtral T=4096 GEMM1 +2%).
-  constexpr int64_t kSmallGroupRows = 384;
-  if (c.small_groups >= 0 && rows_per_group <= kSmallGroupRows && twin != EpilogueTwin::kScatter) {
+  // 129 to 384 rows per group (the MoE GEMMs of Qwen3 at T = 4096, Mixtral at T = 1024): 64-row
+  // tiles waste fewer rows of each group's last tile, and the pingpong overlaps one warp group's
+  // epilogue with the other's MMAs. H200 (results/sweep_moe_gemm_h200_mid_t.txt): GEMM1 (SwiGLU
+  // twin) -1 to -8% (Qwen3-235B T=4096 1617.6 -> 1487.2 us), plain GEMM2 -4 to -10%; end to end
+  // Qwen3-30B / Qwen3-235B T=4096 -4 / -7%. Not under the fused finalize (its scatter epilogue
+  // outlasts the other warp group's MMAs: slower), not from 1024 rows up (the cooperative tile
+  // leads: Mixtral T=4096 GEMM1 +2%), and not up to 128 rows, where the weight stream bounds the
+  // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows) and 64-row tiles read each weight tile
+  // twice as often: the Kimi-K2 shard at T=4096 (85 rows per expert) ran 20% slower with them.
+  constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384;
+  if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= kSmallGroupMaxRows &&
+      twin != EpilogueTwin::kScatter) {
     return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an

@@ -247,9 +247,10 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // leads: Mixtral T=4096 GEMM1 +2%), and not up to 128 rows, where the weight stream bounds the
   // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows) and 64-row tiles read each weight tile
   // twice as often: the Kimi-K2 shard at T=4096 (85 rows per expert) ran 20% slower with them.
-  constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384;
+  // Nor for K > 4096: the Kimi-K2 shard's GEMM1 (K = 7168) at T=16384 (341 rows) took 37% longer.
+  constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384, kSmallGroupMaxK = 4096;
   if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= kSmallGroupMaxRows &&
-      twin != EpilogueTwin::kScatter) {
+      s.k <= kSmallGroupMaxK && twin != EpilogueTwin::kScatter) {
     return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an

@@ -61,34 +61,46 @@ def stepfun_shapes(args, timer):
                 sweep(timer, f"{name} {family} T={t} gemm2", tactics, gemm2, 2 * t * k * h * inter, args.top)
 
 
+def model_weights(name):
+    """A fused_moe_bf16 model shape's bf16 w1 (up/gate interleaved) and w2, seeded by its name."""
+    e, k, h, inter, e_local, offset = MODELS[name]
+    seed_case(name)
+    w1 = interleave_up_gate_sm90((torch.randn(e_local, 2 * inter, h, device="cuda") / h**0.5).bfloat16())
+    w2 = (torch.randn(e_local, h, inter, device="cuda") / inter**0.5).bfloat16()
+    return w1, w2
+
+
+def model_gemms(name, w1, w2, t):
+    """The MoE GEMMs of T routed tokens of a model shape, each as tactic -> launch: "gemm1" (gather,
+    GEMM, SwiGLU), "gemm2" and "gemm2 fused finalize" (the scatter epilogue twin where there is one)."""
+    e, k, h, inter, e_local, offset = MODELS[name]
+    seed_case(name, t)
+    x = torch.randn(t, h, device="cuda").bfloat16()
+    ids, scales = routing(t, e, k, "cuda")
+    _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 128)
+    out = x.new_empty(t, h)
+    act = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k)
+
+    def gemm1(tactic):
+        return lambda: torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, None, tactic)
+
+    def gemm2(tactic):
+        return lambda: torch.ops.cake.moe_gemm2(act, w2, offsets, True, tactic)
+
+    def gemm2_finalize(tactic):
+        return lambda: torch.ops.cake.moe_gemm2_finalize_out(act, w2, offsets, p2e, e2p, scales, out, True, tactic, -1)
+    return {"gemm1": gemm1, "gemm2": gemm2, "gemm2 fused finalize": gemm2_finalize}
+
+
 def model_shapes(args, timer):
     tactics = cake_ops._C.grouped_gemm_tactics("fwd")
     for name in filter(None, args.models.split(",")):
-        e, k, h, inter, e_local, offset = MODELS[name]
-        seed_case(name)
-        w1 = interleave_up_gate_sm90((torch.randn(e_local, 2 * inter, h, device="cuda") / h**0.5).bfloat16())
-        w2 = (torch.randn(e_local, h, inter, device="cuda") / inter**0.5).bfloat16()
+        e, k, h, inter, _, _ = MODELS[name]
+        w1, w2 = model_weights(name)
         for t in map(int, args.tokens.split(",")):
-            seed_case(name, t)
-            x = torch.randn(t, h, device="cuda").bfloat16()
-            ids, scales = routing(t, e, k, "cuda")
-            _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 128)
-            out = x.new_empty(t, h)
-            act = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k)
-
-            def gemm1(tactic):
-                return lambda: torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, None, tactic)
-
-            def gemm2(tactic):
-                return lambda: torch.ops.cake.moe_gemm2(act, w2, offsets, True, tactic)
-
-            def gemm2_finalize(tactic):  # the fused finalize (the scatter epilogue twin where there is one)
-                return lambda: torch.ops.cake.moe_gemm2_finalize_out(act, w2, offsets, p2e, e2p, scales, out, True,
-                                                                     tactic, -1)
-            sweep(timer, f"{name} bf16 T={t} gemm1", tactics, gemm1, 2 * t * k * 2 * inter * h, args.top)
-            sweep(timer, f"{name} bf16 T={t} gemm2", tactics, gemm2, 2 * t * k * h * inter, args.top)
-            sweep(timer, f"{name} bf16 T={t} gemm2 fused finalize", tactics, gemm2_finalize, 2 * t * k * h * inter,
-                  args.top)
+            for label, make in model_gemms(name, w1, w2, t).items():
+                flops = 2 * t * k * inter * h * (2 if label == "gemm1" else 1)
+                sweep(timer, f"{name} bf16 T={t} {label}", tactics, make, flops, args.top)
 
 
 def main():

@@ -185,18 +185,26 @@ PyObject* grouped_gemm_tactics(PyObject*, PyObject* arg) {
   }
 }
 
-// Tactic names of a fwd family whose configuration has an epilogue twin ("swiglu": the MoE GEMM1 in
-// one kernel; "scatter": the MoE GEMM2 with the fused finalize).
+// "none", "swiglu" (the MoE GEMM1 in one kernel) or "scatter" (the MoE GEMM2 with the fused
+// finalize) -> the epilogue twin; false for any other name.
+bool epilogue_twin_named(const std::string& name, cake::EpilogueTwin* twin) {
+  if (name == "none") *twin = cake::EpilogueTwin::kNone;
+  else if (name == "swiglu") *twin = cake::EpilogueTwin::kSwiGlu;
+  else if (name == "scatter") *twin = cake::EpilogueTwin::kScatter;
+  else return false;
+  return true;
+}
+
+// Tactic names of a fwd family whose configuration has an epilogue twin ("swiglu" or "scatter").
 PyObject* grouped_gemm_epilogue_twins(PyObject*, PyObject* args) {
   const char* family = nullptr;
   const char* kind = nullptr;
   if (!PyArg_ParseTuple(args, "ss", &family, &kind)) return nullptr;
-  const std::string twin_name(kind);
-  if (twin_name != "swiglu" && twin_name != "scatter") {
+  cake::EpilogueTwin twin;
+  if (!epilogue_twin_named(kind, &twin) || twin == cake::EpilogueTwin::kNone) {
     PyErr_SetString(PyExc_ValueError, "grouped_gemm_epilogue_twins: kind must be 'swiglu' or 'scatter'");
     return nullptr;
   }
-  const auto twin = twin_name == "swiglu" ? cake::EpilogueTwin::kSwiGlu : cake::EpilogueTwin::kScatter;
   try {
     PyObject* names = PyList_New(0);
     for (const auto& tactic : cake::tactics_sm90(cake::tactic_family(family))) {
@@ -235,12 +243,9 @@ PyObject* grouped_gemm_tactic_for(PyObject*, PyObject* args) {
   long long e = 0, sum_m = 0, n = 0, k = 0, expected_rows = -1;
   if (!PyArg_ParseTuple(args, "sLLLL|Ls", &family, &e, &sum_m, &n, &k, &expected_rows, &epilogue)) return nullptr;
   try {
-    const std::string kind = epilogue;
-    TORCH_CHECK(kind == "none" || kind == "swiglu" || kind == "scatter",
-                "grouped_gemm_tactic_for: epilogue must be none, swiglu or scatter, got '", kind, "'");
-    const auto twin = kind == "swiglu"    ? cake::EpilogueTwin::kSwiGlu
-                      : kind == "scatter" ? cake::EpilogueTwin::kScatter
-                                          : cake::EpilogueTwin::kNone;
+    cake::EpilogueTwin twin;
+    TORCH_CHECK(epilogue_twin_named(epilogue, &twin),
+                "grouped_gemm_tactic_for: epilogue must be none, swiglu or scatter, got '", epilogue, "'");
     cake::GroupedGemmShape s{e, sum_m, n, k, false, expected_rows};
     return PyLong_FromLong(cake::choose_tactic_sm90(cake::tactic_family(family), s, twin));
   } catch (const c10::Error& err) {

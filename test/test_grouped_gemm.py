@@ -336,32 +336,39 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
-@pytest.mark.parametrize("family,e,sum_m,n,k,expected,epilogue", [
-    ("fwd", 128, 128, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1", "none"),       # decode
-    ("dgrad", 128, 1024, 1536, 2048, "dgrad_bf16_ping_64x256x64_c1x1", "none"),
-    ("wgrad", 128, 128, 1536, 2048, "wgrad_bf16_coop_128x256x64_c2x1", "none"),
-    ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2", "none"),             # Qwen3 experts
-    ("fwd", 128, 65536, 2048, 768, "fwd_bf16_coop_128x256x64_c1x2", "none"),
-    ("dgrad", 128, 65536, 2048, 768, "dgrad_bf16_coop_128x256x64_c2x1", "none"),          # 3 N (= K) tiles
-    ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_coop_128x256x64_c1x2", "none"),          # Mixtral
-    ("fwd", 4, 112576, 4096, 6144, "fwd_bf16_coop_128x256x64_c1x2_rasterN_swz4", "none"),  # large groups
-    ("fwd", 4, 112576, 4352, 6144, "fwd_bf16_coop_128x256x64_c2x1", "none"),              # 17 N tiles
-    ("fwd", 4, 112576, 6144, 2048, "fwd_bf16_ping_128x128x64_c1x1_rasterN", "none"),      # w[e] fits in L2
-    ("fwd_f16", 128, 128, 1536, 2048, "fwd_f16_swapab_coop_128x32x128_c1x1", "none"),     # float16: same rules
-    ("fwd_f16", 4, 112576, 4096, 6144, "fwd_f16_coop_128x256x64_c1x2_rasterN_swz4", "none"),
-    ("fwd_e4m3", 64, 512, 3072, 4096, "fwd_e4m3_swapab_coop_128x32x256_c1x1", "none"),     # fp8: StepFun decode
+@pytest.mark.parametrize("family,e,sum_m,n,k,expected", [
+    ("fwd", 128, 128, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),       # decode
+    ("dgrad", 128, 1024, 1536, 2048, "dgrad_bf16_ping_64x256x64_c1x1"),
+    ("wgrad", 128, 128, 1536, 2048, "wgrad_bf16_coop_128x256x64_c2x1"),
+    ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2"),             # Qwen3 experts
+    ("fwd", 128, 65536, 2048, 768, "fwd_bf16_coop_128x256x64_c1x2"),
+    ("dgrad", 128, 65536, 2048, 768, "dgrad_bf16_coop_128x256x64_c2x1"),          # 3 N (= K) tiles
+    ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_coop_128x256x64_c1x2"),          # Mixtral
+    ("fwd", 4, 112576, 4096, 6144, "fwd_bf16_coop_128x256x64_c1x2_rasterN_swz4"),  # large groups
+    ("fwd", 4, 112576, 4352, 6144, "fwd_bf16_coop_128x256x64_c2x1"),              # 17 N tiles
+    ("fwd", 4, 112576, 6144, 2048, "fwd_bf16_ping_128x128x64_c1x1_rasterN"),      # w[e] fits in L2
+    ("fwd_f16", 128, 128, 1536, 2048, "fwd_f16_swapab_coop_128x32x128_c1x1"),     # float16: same rules
+    ("fwd_f16", 4, 112576, 4096, 6144, "fwd_f16_coop_128x256x64_c1x2_rasterN_swz4"),
+    ("fwd_e4m3", 64, 512, 3072, 4096, "fwd_e4m3_swapab_coop_128x32x256_c1x1"),     # fp8: StepFun decode
     # T=1: 8 experts x 24 tiles of 128 rows fill 2 waves of 132 SMs to 73%; 64-row tiles 97%
-    ("fwd_e4m3", 64, 8, 3072, 4096, "fwd_e4m3_swapab_ping_64x16x512_c1x1", "none"),
-    ("fwd", 64, 8, 3072, 4096, "fwd_bf16_swapab_ping_64x16x256_c1x1", "none"),
-    ("fwd", 2, 64, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1", "none"),     # 32 rows an expert: 128x32
-    ("fwd_e4m3", 64, 8, 4096, 1536, "fwd_e4m3_swapab_coop_128x32x256_c1x1", "none"),      # 256 tiles: 97% either way
-    ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "none"),  # 256 rows / expert
-    ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "none"),
-    ("fwd_e4m3", 64, 16384, 4352, 1536, "fwd_e4m3_coop_128x256x128_c2x1", "none"),         # 17 N tiles
-    ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_coop_128x256x64_c1x2_rasterN_swz4", "none"),
-    ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1", "none"),          # 3 N tiles
-    ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4", "none"),
-    # Small groups (129 to 384 rows): 64x256 pingpong for bfloat16 fwd, not under the fused finalize.
+    ("fwd_e4m3", 64, 8, 3072, 4096, "fwd_e4m3_swapab_ping_64x16x512_c1x1"),
+    ("fwd", 64, 8, 3072, 4096, "fwd_bf16_swapab_ping_64x16x256_c1x1"),
+    ("fwd", 2, 64, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),     # 32 rows an expert: 128x32
+    ("fwd_e4m3", 64, 8, 4096, 1536, "fwd_e4m3_swapab_coop_128x32x256_c1x1"),      # 256 tiles: 97% either way
+    ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),  # 256 rows / expert
+    ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),
+    ("fwd_e4m3", 64, 16384, 4352, 1536, "fwd_e4m3_coop_128x256x128_c2x1"),         # 17 N tiles
+    ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_coop_128x256x64_c1x2_rasterN_swz4"),
+    ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1"),          # 3 N tiles
+    ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4"),
+])
+def test_heuristic_choices(family, e, sum_m, n, k, expected):
+    names = cake_ops._C.grouped_gemm_tactics(family)
+    assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k)] == expected
+
+
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
+@pytest.mark.parametrize("family,e,sum_m,n,k,expected,epilogue", [
     ("fwd", 128, 32768, 1536, 2048, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),     # Qwen3-30B T=4096 GEMM1
     ("fwd", 128, 32768, 4096, 1536, "fwd_bf16_ping_64x256x64_c1x1", "none"),       # Qwen3-235B T=4096 GEMM2
     ("fwd", 128, 32768, 2048, 768, "fwd_bf16_coop_128x256x64_c1x2", "scatter"),    # ... fused finalize
@@ -372,7 +379,9 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
     ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
     ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "none"),  # fp8: not measured
 ])
-def test_heuristic_choices(family, e, sum_m, n, k, expected, epilogue):
+def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
+    """129 to 384 rows per group: 64x256 pingpong for bfloat16 fwd with K <= 4096, not under the fused
+    finalize (the epilogue twin that will run the tactic)."""
     names = cake_ops._C.grouped_gemm_tactics(family)
     assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue)] == expected
 

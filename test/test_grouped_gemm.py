@@ -355,9 +355,9 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
     ("fwd", 64, 8, 3072, 4096, "fwd_bf16_swapab_ping_64x16x256_c1x1"),
     ("fwd", 2, 64, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),     # 32 rows an expert: 128x32
     ("fwd_e4m3", 64, 8, 4096, 1536, "fwd_e4m3_swapab_coop_128x32x256_c1x1"),      # 256 tiles: 97% either way
-    ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),  # 256 rows / expert
+    ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1"),  # 256 rows / expert
     ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),
-    ("fwd_e4m3", 64, 16384, 4352, 1536, "fwd_e4m3_coop_128x256x128_c2x1"),         # 17 N tiles
+    ("fwd_e4m3", 64, 65536, 4352, 1536, "fwd_e4m3_coop_128x256x128_c2x1"),         # 17 N tiles
     ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_coop_128x256x64_c1x2_rasterN_swz4"),
     ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1"),          # 3 N tiles
     ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4"),
@@ -377,7 +377,7 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
     ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),     # 64: weight-bound
     ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),     # K > 4096 (Kimi-K2 shard)
     ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
-    ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "none"),  # fp8: not measured
+    ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "scatter"),
 ])
 def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
     """129 to 384 rows per group: 64x256 pingpong for bfloat16 fwd with K <= 4096, not under the fused

@@ -164,7 +164,8 @@ SWIGLU_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_64x256x64_c1x1", "pi
                                                       "coop_128x256x64_c1x2", "coop_128x256x64_c2x1"]),
                 torch.float16: ("fwd_f16", "fwd_f16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
                                                         "coop_128x256x64_c2x1"]),
-                torch.float8_e4m3fn: ("fwd_e4m3", "fwd_e4m3_", ["coop_128x256x128_c1x2", "coop_128x256x128_c2x1"])}
+                torch.float8_e4m3fn: ("fwd_e4m3", "fwd_e4m3_", ["ping_64x256x128_c1x1", "coop_128x256x128_c1x2",
+                                                                "coop_128x256x128_c2x1"])}
 
 
 def ragged_gemm1_problem(dtype, limits):

@@ -129,8 +129,9 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
           // expert up, 128x256 cooperative with the 1x2 cluster leads (837-966 TFLOP/s, 8-18% over
           // 128x128 pingpong); no medium-group or weight-in-L2 rule measured for fp8.
           // Decode with few experts touched: the bf16 rule's 64x16 tile, K stages of the same bytes.
-          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"), -1, -1,
-                  coop_1x2, coop_2x1, -1};
+          // Small groups: the bf16 rule's 64x256 pingpong (K tiles of the same bytes).
+          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"),
+                  named("ping_64x256x128_c1x1"), -1, coop_1x2, coop_2x1, -1};
           break;
         case TacticFamily::kDgradBf16:
           c[f] = {named("ping_64x256x64_c1x1"), -1, -1, named("coop_128x256x64_c1x2"), coop_1x2, coop_2x1, -1};

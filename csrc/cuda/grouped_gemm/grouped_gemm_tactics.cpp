@@ -249,6 +249,7 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows) and 64-row tiles read each weight tile
   // twice as often: the Kimi-K2 shard at T=4096 (85 rows per expert) ran 20% slower with them.
   // Nor for K > 4096: the Kimi-K2 shard's GEMM1 (K = 7168) at T=16384 (341 rows) took 37% longer.
+  // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
   constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384, kSmallGroupMaxK = 4096;
   if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= kSmallGroupMaxRows &&
       s.k <= kSmallGroupMaxK && twin != EpilogueTwin::kScatter) {

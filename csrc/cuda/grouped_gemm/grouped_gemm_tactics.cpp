@@ -125,11 +125,12 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
                   named("ping_128x128x" + k64 + "_c1x1_rasterN")};
           break;
         case TacticFamily::kFwdE4m3:
-          // From the H200 sweep of the StepFun shapes (sweep_moe_gemm.py, NOTES.md): from 256 rows per
-          // expert up, 128x256 cooperative with the 1x2 cluster leads (837-966 TFLOP/s, 8-18% over
-          // 128x128 pingpong); no medium-group or weight-in-L2 rule measured for fp8.
+          // From the H200 sweep of the StepFun shapes (sweep_moe_gemm.py, NOTES.md): large groups,
+          // 128x256 cooperative with the 1x2 cluster (837-966 TFLOP/s, 8-18% over 128x128 pingpong);
+          // no medium-group or weight-in-L2 rule measured for fp8.
           // Decode with few experts touched: the bf16 rule's 64x16 tile, K stages of the same bytes.
-          // Small groups: the bf16 rule's 64x256 pingpong (K tiles of the same bytes).
+          // Small groups (129-384 rows): the bf16 rule's 64x256 pingpong, K tiles of the same bytes
+          // (session 17: at 256 rows per expert it beats the cooperative tile, 414 vs 452 us).
           c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"),
                   named("ping_64x256x128_c1x1"), -1, coop_1x2, coop_2x1, -1};
           break;

@@ -254,15 +254,20 @@ PyObject* grouped_gemm_tactic_for(PyObject*, PyObject* args) {
   }
 }
 
-// Keep `tactic` for problems of the bucket of (E, sum_m, N, K) (what the autotuner measured).
+// Keep `tactic` for problems of the bucket of (E, sum_m, N, K) run with `epilogue` (what the
+// autotuner measured).
 PyObject* set_grouped_gemm_tuned_tactic(PyObject*, PyObject* args) {
   const char* family = nullptr;
+  const char* epilogue = "none";
   long long e = 0, sum_m = 0, n = 0, k = 0;
   int tactic = -1;
-  if (!PyArg_ParseTuple(args, "sLLLLi", &family, &e, &sum_m, &n, &k, &tactic)) return nullptr;
+  if (!PyArg_ParseTuple(args, "sLLLLi|s", &family, &e, &sum_m, &n, &k, &tactic, &epilogue)) return nullptr;
   try {
+    cake::EpilogueTwin twin;
+    TORCH_CHECK(epilogue_twin_named(epilogue, &twin),
+                "set_grouped_gemm_tuned_tactic: epilogue must be none, swiglu or scatter, got '", epilogue, "'");
     cake::set_tuned_tactic(cake::tactic_family(family), cake::GroupedGemmShape{e, sum_m, n, k, false},
-                           tactic);
+                           tactic, twin);
   } catch (const c10::Error& err) {
     PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
     return nullptr;
@@ -342,7 +347,7 @@ PyMethodDef methods[] = {
     {"grouped_gemm_tactic_for", grouped_gemm_tactic_for, METH_VARARGS,
      "grouped_gemm_tactic_for(family, E, sum_m, N, K, expected_rows=-1): the tactic such a launch runs now."},
     {"set_grouped_gemm_tuned_tactic", set_grouped_gemm_tuned_tactic, METH_VARARGS,
-     "set_grouped_gemm_tuned_tactic(family, E, sum_m, N, K, tactic): keep a tuned choice."},
+     "set_grouped_gemm_tuned_tactic(family, E, sum_m, N, K, tactic, epilogue='none'): keep a tuned choice."},
     {"clear_grouped_gemm_tuned_tactics", clear_grouped_gemm_tuned_tactics, METH_NOARGS,
      "Forget every tuned choice."},
 #endif

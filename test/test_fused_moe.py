@@ -156,11 +156,18 @@ def test_autotune_tunes_both_gemms_and_keeps_the_winners(tmp_path):
     try:
         with cake_ops.autotune(cache_file=str(cache)):
             tuned = fused_moe_bf16(x, ids, scales, w1, w2, e, k)
+            tuned_det = fused_moe_bf16(x, ids, scales, w1, w2, e, k, use_fused_finalize=False)
         rows, (h, inter) = x.shape[0] * k, (x.shape[1], w2.shape[2])
-        keys = {tuner._key("fwd", e, rows, 2 * inter, h), tuner._key("fwd", e, rows, h, inter)}
+        # GEMM1 as its SwiGLU twin, GEMM2 as the scatter twin (fused finalize) and as the plain GEMM
+        # (deterministic path): three buckets, each timed as it runs.
+        keys = {tuner._key("fwd", e, rows, 2 * inter, h, "swiglu"), tuner._key("fwd", e, rows, h, inter, "scatter"),
+                tuner._key("fwd", e, rows, h, inter)}
         assert keys <= set(tuner._tuned) and cache.exists()
+        names = cake_ops._C.grouped_gemm_tactics("fwd")
+        assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, rows, h, inter, -1, "scatter") == names.index(
+            tuner._tuned[tuner._key("fwd", e, rows, h, inter, "scatter")])
         after = fused_moe_bf16(x, ids, scales, w1, w2, e, k)  # outside the context: the winners
-        for out in (tuned, after):
+        for out in (tuned, after, tuned_det):
             assert (out.float() - expected.float()).norm() / expected.float().norm() < 1e-2
     finally:
         cake_ops.clear_tuning()

@@ -336,6 +336,37 @@ def test_autotune_keeps_the_fastest_tactic_per_bucket(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
+def test_tuned_choices_are_kept_per_epilogue(tmp_path):
+    """A tuned choice holds for the epilogue it was timed with (the MoE GEMMs' SwiGLU and scatter
+    twins apart from the plain GEMM of the same sizes); cache files keep the epilogue in the key,
+    and keys without one (older files) are the plain GEMM's. No GPU needed: choices only."""
+    e, m, n, k = 64, 4096, 4096, 1536
+    names = cake_ops._C.grouped_gemm_tactics("fwd")
+    heuristic = {ep: cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, ep)
+                 for ep in ("none", "swiglu", "scatter")}
+    tuned_scatter = next(i for i in range(len(names)) if i != heuristic["scatter"])
+    tuned_plain = next(i for i in range(len(names)) if i not in (heuristic["none"], tuned_scatter))
+    cache = tmp_path / "tuning.json"
+    cache.write_text(json.dumps({"version": 1, "grouped_gemm": {
+        f"fwd|{e}|{m}|{n}|{k}|scatter": names[tuned_scatter],
+        f"fwd|{e}|{m}|{n}|{k}": names[tuned_plain],
+        f"fwd|{e}|{m}|{n}|{k}|gelu": names[0],  # no such epilogue: ignored
+    }}))
+    cake_ops.clear_tuning()
+    try:
+        assert cake_ops.load_tuning(str(cache)) == 2
+        assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "scatter") == tuned_scatter
+        assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "none") == tuned_plain
+        assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "swiglu") == heuristic["swiglu"]  # untuned
+        with pytest.raises(ValueError, match="epilogue must be none, swiglu or scatter, got 'gelu'"):
+            cake_ops._C.set_grouped_gemm_tuned_tactic("fwd", e, m, n, k, 0, "gelu")
+        cake_ops.clear_tuning()
+        assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "scatter") == heuristic["scatter"]
+    finally:
+        cake_ops.clear_tuning()
+
+
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
 @pytest.mark.parametrize("family,e,sum_m,n,k,expected", [
     ("fwd", 128, 128, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),       # decode
     ("dgrad", 128, 1024, 1536, 2048, "dgrad_bf16_ping_64x256x64_c1x1"),

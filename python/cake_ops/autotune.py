@@ -4,9 +4,11 @@
         model(x)            # first calls on new shapes profile every tactic
     model(x)                # later calls (also compiled graphs and CUDA graphs) use the winners
 
-A bucket is (op family, E, N, K, sum_m rounded up to a power of two). Inside the context the
-first call of a tunable op on a new bucket times each tactic (CUDA events, median of a few
-runs; this synchronises, so tune before capturing graphs) and records the winner in the
+A bucket is (op family, E, N, K, sum_m rounded up to a power of two, epilogue): the MoE GEMMs'
+fused epilogues (GEMM1's SwiGLU, GEMM2's finalize scatter) are timed as they run and tuned apart
+from the plain GEMM of the same sizes, since the epilogue changes which tile wins. Inside the
+context the first call of a tunable op on a new bucket times each tactic (CUDA events, median of
+a few runs; this synchronises, so tune before capturing graphs) and records the winner in the
 extension; calls outside the context use the recorded winners, else the heuristic. Nothing is
 tuned while torch.compile traces or a CUDA graph is being captured. ``cache_file`` is read when
 the context opens and written when it closes, so a later process can start tuned
@@ -25,7 +27,8 @@ import torch
 from . import _C
 
 _enabled = False
-_tuned: dict = {}  # "family|E|rows|N|K" -> tactic name
+_tuned: dict = {}  # "family|E|rows|N|K" (plain GEMM) or "family|E|rows|N|K|epilogue" -> tactic name
+_EPILOGUES = ("none", "swiglu", "scatter")
 
 
 def _bucket_rows(sum_m: int) -> int:
@@ -35,8 +38,9 @@ def _bucket_rows(sum_m: int) -> int:
     return rows
 
 
-def _key(family: str, num_groups: int, sum_m: int, n: int, k: int) -> str:
-    return f"{family}|{num_groups}|{_bucket_rows(sum_m)}|{n}|{k}"
+def _key(family: str, num_groups: int, sum_m: int, n: int, k: int, epilogue: str = "none") -> str:
+    key = f"{family}|{num_groups}|{_bucket_rows(sum_m)}|{n}|{k}"
+    return key if epilogue == "none" else f"{key}|{epilogue}"
 
 
 def _has_tactics() -> bool:
@@ -44,11 +48,15 @@ def _has_tactics() -> bool:
 
 
 def _record(key: str, name: str) -> bool:
-    family, num_groups, rows, n, k = key.split("|")
+    fields = key.split("|")
+    if len(fields) not in (5, 6) or (len(fields) == 6 and fields[5] not in _EPILOGUES):
+        return False  # not a key this version writes
+    family, num_groups, rows, n, k = fields[:5]
+    epilogue = fields[5] if len(fields) == 6 else "none"
     names = _C.grouped_gemm_tactics(family)
     if name not in names:
         return False  # a configuration this build no longer has
-    _C.set_grouped_gemm_tuned_tactic(family, int(num_groups), int(rows), int(n), int(k), names.index(name))
+    _C.set_grouped_gemm_tuned_tactic(family, int(num_groups), int(rows), int(n), int(k), names.index(name), epilogue)
     _tuned[key] = name
     return True
 
@@ -93,8 +101,9 @@ def tuning_active() -> bool:
 
 
 def tune_grouped_gemm(family: str, dims: Callable[[], tuple], run: Callable[[], object],
-                      device: torch.device) -> Optional[str]:
-    """Profile ``run`` under every tactic of ``family`` for a new bucket; dims() = (E, sum_m, N, K)."""
+                      device: torch.device, epilogue: str = "none") -> Optional[str]:
+    """Profile ``run`` under every tactic of ``family`` for a new bucket; dims() = (E, sum_m, N, K);
+    ``epilogue``: the twin ``run`` launches ("none", "swiglu" or "scatter"), tuned as its own bucket."""
     if not tuning_active() or device.type != "cuda" or not _has_tactics():
         return None
     if torch.cuda.is_current_stream_capturing() or torch._C._get_dispatch_mode(
@@ -102,7 +111,7 @@ def tune_grouped_gemm(family: str, dims: Callable[[], tuple], run: Callable[[], 
         return None  # no profiling inside a graph capture or a fake-tensor trace
     try:
         num_groups, sum_m, n, k = dims()
-        key = _key(family, num_groups, sum_m, n, k)
+        key = _key(family, num_groups, sum_m, n, k, epilogue)
     except (IndexError, TypeError, ValueError):
         return None  # malformed arguments: the op itself raises the clear error
     if key in _tuned:

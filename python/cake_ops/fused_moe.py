@@ -253,7 +253,7 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     routes = num_tokens * top_k if hint < 0 else hint
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
-            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint), x.device)
+            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint), x.device, "swiglu")
     if intermediate_buffer is not None:  # GEMM1 writes it in place (an empty workspace: the op sizes its own)
         torch.ops.cake.moe_gemm1_swiglu_out(x, w1_weight, permuted_to_expanded, offsets, top_k, intermediate_buffer,
                                             x.new_empty(0, dtype=torch.uint8), enable_pdl, tactic=gemm1_tactic,
@@ -262,7 +262,13 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     else:
         inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
                                                 tactic=gemm1_tactic, expected_routes=hint)
-    if tune:
+    if tune and use_fused_finalize:  # timed as it runs: the scatter twin into a scratch output
+        scratch = x.new_empty(num_tokens, hidden)
+        tune_grouped_gemm(family, lambda: (num_local, routes, hidden, intermediate),
+                          lambda: torch.ops.cake.moe_gemm2_finalize_out(
+                              inter, w2_weight, offsets, permuted_to_expanded, expanded_to_permuted, scales, scratch,
+                              enable_pdl, -1, hint), x.device, "scatter")
+    elif tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
             inter, w2_weight, offsets, enable_pdl, expected_routes=hint), x.device)
     if use_fused_finalize:

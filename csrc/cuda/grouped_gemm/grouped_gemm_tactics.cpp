@@ -23,7 +23,9 @@ constexpr const char* kPrefixes[kFamilies] = {"fwd_bf16_", "dgrad_bf16_", "wgrad
                                               "fwd_e4m3_"};
 constexpr const char* kFamilyNames[kFamilies] = {"fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3"};
 
-using BucketKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t>;  // family, E, rows, N, K
+// family, E, rows, N, K, epilogue twin: a twin is tuned apart from the plain GEMM, since its epilogue
+// changes which tile wins (the scatter epilogue outlasts a pingpong partner's MMAs, for one).
+using BucketKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int>;
 std::mutex g_tuned_mutex;
 std::map<BucketKey, int> g_tuned;
 
@@ -33,10 +35,10 @@ int64_t choice_rows(const GroupedGemmShape& s) {
   return s.expected_rows >= 0 ? std::min(s.expected_rows, s.sum_m) : s.sum_m;
 }
 
-BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s) {
+BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin) {
   int64_t rows = 1;
   while (rows < choice_rows(s)) rows *= 2;
-  return {static_cast<int>(family), s.num_groups, rows, s.n, s.k};
+  return {static_cast<int>(family), s.num_groups, rows, s.n, s.k, static_cast<int>(twin)};
 }
 
 std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
@@ -222,7 +224,7 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   {
     std::lock_guard<std::mutex> lock(g_tuned_mutex);
     if (!g_tuned.empty()) {
-      auto it = g_tuned.find(bucket_key(family, s));
+      auto it = g_tuned.find(bucket_key(family, s, twin));
       if (it != g_tuned.end()) return it->second;
     }
   }
@@ -249,7 +251,9 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // leads: Mixtral T=4096 GEMM1 +2%), and not up to 128 rows, where the weight stream bounds the
   // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows) and 64-row tiles read each weight tile
   // twice as often: the Kimi-K2 shard at T=4096 (85 rows per expert) ran 20% slower with them.
-  // Nor for K > 4096: the Kimi-K2 shard's GEMM1 (K = 7168) at T=16384 (341 rows) took 37% longer.
+  // Nor for K > 4096: the Kimi-K2 shard's GEMM1 (K = 7168) at T=16384 (341 rows) took 42% longer end to
+  // end (2.80 -> 3.99 ms, results/ab_small_groups_k_guard_h200.txt; Mixtral's plain GEMM2, K = 14336, would
+  // gain 2.4%).
   // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
   constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384, kSmallGroupMaxK = 4096;
   if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= kSmallGroupMaxRows &&
@@ -274,12 +278,12 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   return n_tiles_pair ? c.large_groups : c.large_groups_odd;
 }
 
-void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic) {
+void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic, EpilogueTwin twin) {
   const int count = static_cast<int>(tactics_sm90(family).size());
   TORCH_CHECK(tactic >= 0 && tactic < count, "set_grouped_gemm_tuned_tactic: tactic must be in [0, ",
               count, "), got ", tactic);
   std::lock_guard<std::mutex> lock(g_tuned_mutex);
-  g_tuned[bucket_key(family, s)] = tactic;
+  g_tuned[bucket_key(family, s, twin)] = tactic;
 }
 
 void clear_tuned_tactics() {

@@ -38,12 +38,13 @@ enum class EpilogueTwin { kNone, kSwiGlu, kScatter };
 // configuration has none.
 GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin);
 // The forced tactic of the family (set_tactic_override), else the autotuned tactic of the shape
-// bucket (set_tuned_tactic), else the shape heuristic's, which may depend on the epilogue twin
-// that will run the tactic.
+// bucket and epilogue twin (set_tuned_tactic), else the shape heuristic's, which may depend on the
+// epilogue twin that will run the tactic.
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin = EpilogueTwin::kNone);
 // Record the tactic the autotuner measured fastest for problems of this bucket: the same E, N
-// and K and sum_m rounded up to a power of two.
-void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic);
+// and K, sum_m rounded up to a power of two, and the same epilogue twin.
+void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic,
+                      EpilogueTwin twin = EpilogueTwin::kNone);
 void clear_tuned_tactics();
 // Force a tactic for every later launch of the family (-1: back to the heuristic). For
 // benchmarks and the autotuner; a CUDA graph keeps the tactic it captured.

@@ -345,7 +345,8 @@ PyMethodDef methods[] = {
     {"set_grouped_gemm_tactic", set_grouped_gemm_tactic, METH_VARARGS,
      "set_grouped_gemm_tactic(family, index): force a configuration; -1 restores the heuristic."},
     {"grouped_gemm_tactic_for", grouped_gemm_tactic_for, METH_VARARGS,
-     "grouped_gemm_tactic_for(family, E, sum_m, N, K, expected_rows=-1): the tactic such a launch runs now."},
+     "grouped_gemm_tactic_for(family, E, sum_m, N, K, expected_rows=-1, epilogue='none'): the tactic such a "
+     "launch runs now."},
     {"set_grouped_gemm_tuned_tactic", set_grouped_gemm_tuned_tactic, METH_VARARGS,
      "set_grouped_gemm_tuned_tactic(family, E, sum_m, N, K, tactic, epilogue='none'): keep a tuned choice."},
     {"clear_grouped_gemm_tuned_tactics", clear_grouped_gemm_tuned_tactics, METH_NOARGS,

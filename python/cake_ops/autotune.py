@@ -28,7 +28,6 @@ from . import _C
 
 _enabled = False
 _tuned: dict = {}  # "family|E|rows|N|K" (plain GEMM) or "family|E|rows|N|K|epilogue" -> tactic name
-_EPILOGUES = ("none", "swiglu", "scatter")
 
 
 def _bucket_rows(sum_m: int) -> int:
@@ -49,14 +48,18 @@ def _has_tactics() -> bool:
 
 def _record(key: str, name: str) -> bool:
     fields = key.split("|")
-    if len(fields) not in (5, 6) or (len(fields) == 6 and fields[5] not in _EPILOGUES):
+    if len(fields) not in (5, 6):
         return False  # not a key this version writes
     family, num_groups, rows, n, k = fields[:5]
     epilogue = fields[5] if len(fields) == 6 else "none"
     names = _C.grouped_gemm_tactics(family)
     if name not in names:
         return False  # a configuration this build no longer has
-    _C.set_grouped_gemm_tuned_tactic(family, int(num_groups), int(rows), int(n), int(k), names.index(name), epilogue)
+    try:
+        _C.set_grouped_gemm_tuned_tactic(family, int(num_groups), int(rows), int(n), int(k), names.index(name),
+                                         epilogue)
+    except ValueError:
+        return False  # an epilogue this build does not know
     _tuned[key] = name
     return True
 

@@ -240,7 +240,7 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
         ids, num_experts, num_local, local_expert_offset, tile)
     # Explicit tile / cluster / raster overrides pick the grouped GEMM tactic of each GEMM (and
     # bypass the tuner). Otherwise, inside cake_ops.autotune(), a new shape bucket first times
-    # every tactic of each GEMM (keyed by E_local, T * top_k rounded up, N and K).
+    # every tactic of each GEMM as it runs (keyed by E_local, T * top_k rounded up, N, K and its epilogue).
     family = "fwd_f16" if x.dtype == torch.float16 else "fwd"
     gemm1_tactic = override_tactic(family, "GEMM1", tile_size, gemm1_tile_n) if x.is_cuda else -1
     gemm2_tactic = override_tactic(family, "GEMM2", tile_size, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
@@ -262,22 +262,27 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     else:
         inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
                                                 tactic=gemm1_tactic, expected_routes=hint)
-    if tune and use_fused_finalize:  # timed as it runs: the scatter twin into a scratch output
-        scratch = x.new_empty(num_tokens, hidden)
-        tune_grouped_gemm(family, lambda: (num_local, routes, hidden, intermediate),
-                          lambda: torch.ops.cake.moe_gemm2_finalize_out(
-                              inter, w2_weight, offsets, permuted_to_expanded, expanded_to_permuted, scales, scratch,
-                              enable_pdl, -1, hint), x.device, "scatter")
-    elif tune:
-        tune_grouped_gemm(family, lambda: (num_local, routes, hidden, intermediate), lambda: torch.ops.cake.moe_gemm2(
-            inter, w2_weight, offsets, enable_pdl, expected_routes=hint), x.device)
+    gemm2_dims = (num_local, routes, hidden, intermediate)
     if use_fused_finalize:
         # GEMM2 adds the router-scaled rows into the output itself (atomics: one rounding per route).
+        # The tuner times this launch as it runs (the scatter twin; out is overwritten by each call).
         out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
-        torch.ops.cake.moe_gemm2_finalize_out(inter, w2_weight, offsets, permuted_to_expanded, expanded_to_permuted,
-                                              scales, out, enable_pdl, gemm2_tactic, hint)
+
+        def gemm2_finalize(tactic: int) -> None:
+            torch.ops.cake.moe_gemm2_finalize_out(inter, w2_weight, offsets, permuted_to_expanded,
+                                                  expanded_to_permuted, scales, out, enable_pdl, tactic, hint)
+
+        if tune:
+            tune_grouped_gemm(family, lambda: gemm2_dims, lambda: gemm2_finalize(-1), x.device, "scatter")
+        gemm2_finalize(gemm2_tactic)
         return out
-    expert_rows = torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, gemm2_tactic, expected_routes=hint)
+
+    def gemm2(tactic: int) -> torch.Tensor:
+        return torch.ops.cake.moe_gemm2(inter, w2_weight, offsets, enable_pdl, tactic, expected_routes=hint)
+
+    if tune:
+        tune_grouped_gemm(family, lambda: gemm2_dims, lambda: gemm2(-1), x.device)
+    expert_rows = gemm2(gemm2_tactic)
     if moe_output is not None:
         torch.ops.cake.moe_finalize_out(expert_rows, expanded_to_permuted, scales, moe_output, enable_pdl)
         return moe_output

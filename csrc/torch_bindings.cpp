@@ -59,7 +59,9 @@ TORCH_LIBRARY(cake, m) {
   // GEMM1 of the MoE with SwiGLU: x [T, H], w1 [E_local, 2I, H] up/gate interleaved at 32 rows
   // (interleave_up_gate_sm90), the moe_sort permutation -> [T * top_k, I] in x's dtype, permuted
   // row p = silu(gate) * up of x[permuted_to_expanded[p] / top_k] @ w1[e].T; rows past the last
-  // expert's end are zeros. enable_pdl: launch the CUDA kernels with Programmatic Dependent
+  // expert's end are zeros, or with zero_tail=False may be left unwritten on CUDA (GEMM2 and the
+  // finalize never read them, and an expert-parallel shard's tail is most of the tensor: zeroing
+  // it cost the Kimi-K2 EP8 shard 5.6% at T=16384; fused_moe_bf16 passes False). enable_pdl: launch the CUDA kernels with Programmatic Dependent
   // Launch (numerics unaffected). clamp_limits (float32 [E_local]) makes the activation StepFun's
   // SwiGLUStep, min(silu(gate), L_e) * clamp(up, -L_e, L_e) with L_e the row's expert's limit.
   // tactic (both MoE GEMMs): -1 = automatic (the decode kernel for up to 64 rows, or 2 per
@@ -79,7 +81,7 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
-      "Tensor? w1_scale=None, int expected_routes=-1) -> Tensor");
+      "Tensor? w1_scale=None, int expected_routes=-1, bool zero_tail=True) -> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. bfloat16 intermediate with float8_e4m3fn w2: quantized
   // per tensor on the way in (a_scale static, or dynamic), bit for bit quantize_fp8 then the fp8
@@ -112,7 +114,7 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_gemm1_swiglu_out(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, int top_k, "
       "Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, "
-      "Tensor? x_scale=None, Tensor? w1_scale=None, int expected_routes=-1) -> ()");
+      "Tensor? x_scale=None, Tensor? w1_scale=None, int expected_routes=-1, bool zero_tail=True) -> ()");
   // moe_gemm2 into a caller-owned out [T * top_k, H] with a workspace of
   // grouped_gemm_workspace_size(E_local) bytes (empty: allocated by the op).
   m.def(

@@ -231,6 +231,28 @@ def test_gemm1_swiglu_in_the_gemm_epilogue(dtype, limits):
         torch.testing.assert_close(got[:kept], want, rtol=2**-7, atol=1e-6, msg=lambda m: f"{tile}: {m}")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_gemm1_zero_tail_false_leaves_only_the_tail(device):
+    """zero_tail=False (fused_moe_bf16's GEMM1): the kept rows are bit for bit the default's; on CUDA the twin
+    tiles leave the rows past the last expert's end as they were (NaN here), the CPU writes its zeros."""
+    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(torch.bfloat16, True)
+    x, w1, p2e, offsets, lim = (v.to(device) for v in (x, w1, p2e, offsets, lim))
+    empty = x.new_empty(0, dtype=torch.uint8)
+    family, prefix, tiles = SWIGLU_TWINS[torch.bfloat16]
+    tactics = [-1]
+    if device == "cuda":
+        tactics += [cake_ops._C.grouped_gemm_tactics(family).index(prefix + tile) for tile in tiles]
+    for tactic in tactics:
+        want = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, lim, tactic)
+        out = torch.full((p2e.numel(), inter), float("nan"), dtype=x.dtype, device=device)
+        torch.ops.cake.moe_gemm1_swiglu_out(x, w1, p2e, offsets, k, out, empty, True, lim, tactic, zero_tail=False)
+        assert torch.equal(out[:kept], want[:kept]), tactic
+        if device == "cpu":
+            assert torch.equal(out[kept:], torch.zeros_like(out[kept:]))
+        elif tactic >= 0:
+            assert out[kept:].isnan().all(), tactic
+
+
 # GEMM2's scatter twins: the same 16-bit tiles with the fused finalize as their epilogue (no e4m3: the fp8
 # StepFun pipeline finalizes in a fixed order by its specification).
 # Not the 64x256 pingpong tile (configs_sm90.inc says why).

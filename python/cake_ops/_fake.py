@@ -194,7 +194,7 @@ def _check_expected_routes(expected_routes, op):
 
 @register_fake("cake::moe_gemm1_swiglu")
 def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True, clamp_limits=None,
-                           tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1):
+                           tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1, zero_tail=True):
     return _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes,
                              "cake::moe_gemm1_swiglu")
 
@@ -311,7 +311,8 @@ def _moe_routing_out_fake(router_logits, topk_ids, topk_weights, top_k, num_expe
 
 @register_fake("cake::moe_gemm1_swiglu_out")
 def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, out, workspace, enable_pdl=True,
-                               clamp_limits=None, tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1):
+                               clamp_limits=None, tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1,
+                               zero_tail=True):
     want = _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes,
                              "cake::moe_gemm1_swiglu_out")
     _check(out.shape == want.shape and out.dtype == want.dtype,

@@ -181,7 +181,8 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     outside ``[local_expert_offset, local_expert_offset + num_local_experts)`` (other shards, or
     ids outside ``[0, num_experts)``) contribute zero. Needs H % 64 == 0 and I % 32 == 0.
     Returns ``[T, H]`` in x's dtype (``moe_output`` when given, overwritten); the GEMM1 output
-    (``[T * top_k, I]``, permuted rows) is left in ``intermediate_buffer`` when given. See the
+    (``[T * top_k, I]``, permuted rows; on CUDA the rows past the shard's kept routes may be left
+    unwritten) is left in ``intermediate_buffer`` when given. See the
     module doc for what is fused today.
     """
     warn_experimental("cake_ops.fused_moe")
@@ -251,17 +252,21 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     # A shard's GEMMs choose their tiles by its expected share of the routes (tuned under that bucket too).
     hint = expected_routes(num_tokens * top_k, num_local, num_experts)
     routes = num_tokens * top_k if hint < 0 else hint
+    # GEMM1's rows past the last local expert's end are left unwritten (zero_tail=False): GEMM2 and
+    # the finalize never read them, and on an expert-parallel shard they are most of the tensor
+    # (Kimi-K2 EP8 shard, T=16384: 2.69 -> 2.54 ms, benchmarks/results/ab_gemm1_tail_h200.txt).
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
-            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint), x.device, "swiglu")
+            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint, zero_tail=False),
+            x.device, "swiglu")
     if intermediate_buffer is not None:  # GEMM1 writes it in place (an empty workspace: the op sizes its own)
         torch.ops.cake.moe_gemm1_swiglu_out(x, w1_weight, permuted_to_expanded, offsets, top_k, intermediate_buffer,
                                             x.new_empty(0, dtype=torch.uint8), enable_pdl, tactic=gemm1_tactic,
-                                            expected_routes=hint)
+                                            expected_routes=hint, zero_tail=False)
         inter = intermediate_buffer
     else:
         inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
-                                                tactic=gemm1_tactic, expected_routes=hint)
+                                                tactic=gemm1_tactic, expected_routes=hint, zero_tail=False)
     gemm2_dims = (num_local, routes, hidden, intermediate)
     if use_fused_finalize:
         # GEMM2 adds the router-scaled rows into the output itself (atomics: one rounding per route).

@@ -135,13 +135,14 @@ void run_grouped_gemm_cuda(Op kind, const GroupedGemmShape& s, const at::Tensor&
 
 bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                                   const at::Tensor& offs, at::Tensor& out, const float* limits, const char* op,
-                                  bool pdl, int64_t tactic, at::Tensor& workspace, GroupedGemmScales scales) {
+                                  bool pdl, int64_t tactic, at::Tensor& workspace, bool zero_tail,
+                                  GroupedGemmScales scales) {
   TORCH_CHECK(s.n % 64 == 0 && out.size(0) == s.sum_m && out.size(1) == s.n / 2, op,
               ": the SwiGLU GEMM needs N % 64 == 0 and a [sum_m, N / 2] output (internal error)");
   TwinLaunch twin;
   twin.twin = EpilogueTwin::kSwiGlu;
   twin.swiglu_limits = limits;
-  return launch_with(Op::kFwd, s, a, b, offs, out, workspace, op, pdl, /*zero_tail=*/true, tactic, scales, twin);
+  return launch_with(Op::kFwd, s, a, b, offs, out, workspace, op, pdl, zero_tail, tactic, scales, twin);
 }
 
 bool run_grouped_gemm_scatter_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,

@@ -251,13 +251,13 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // leads: Mixtral T=4096 GEMM1 +2%), and not up to 128 rows, where the weight stream bounds the
   // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows) and 64-row tiles read each weight tile
   // twice as often: the Kimi-K2 shard at T=4096 (85 rows per expert) ran 20% slower with them.
-  // Nor for K > 4096: the Kimi-K2 shard's GEMM1 (K = 7168) at T=16384 (341 rows) took 42% longer end to
-  // end (2.80 -> 3.99 ms, results/ab_small_groups_k_guard_h200.txt; Mixtral's plain GEMM2, K = 14336, would
-  // gain 2.4%).
+  // Any K: the shard's GEMM1 (K = 7168, 341 rows at T=16384) once ran 2.80 -> 3.99 ms with them, but
+  // that was PDL overlapping the kernel with the zeroing of GEMM1's unread tail rows; without the
+  // zeroing it gains (fused 2.54 -> 2.50 ms, deterministic 2.65 -> 2.55; ab_gemm1_tail_h200.txt).
   // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
-  constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384, kSmallGroupMaxK = 4096;
+  constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384;
   if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= kSmallGroupMaxRows &&
-      s.k <= kSmallGroupMaxK && twin != EpilogueTwin::kScatter) {
+      twin != EpilogueTwin::kScatter) {
     return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an

@@ -227,7 +227,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
                 const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes, const MoeGemm1Shape& s,
-                at::Tensor& out, const at::Tensor& workspace_in, const char* op) {
+                at::Tensor& out, const at::Tensor& workspace_in, bool zero_tail, const char* op) {
   const int64_t expected_rows = check_expected_routes(expected_routes, op);
   const bool quantize_x =
       check_moe_gemm_input(x_in, x_scale, w1, w1_scale, "x", "w1", op) == MoeGemmInput::kQuantizeA;
@@ -301,7 +301,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   const float* limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
   // The SwiGLU in the GEMM's epilogue, where the chosen tile has such a twin: h is never stored.
   if (run_grouped_gemm_swiglu_cuda(shape, gathered, w1, expert_offsets, out, limits, op, enable_pdl, tactic,
-                                   gemm_workspace, scales)) {
+                                   gemm_workspace, zero_tail, scales)) {
     return;
   }
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
@@ -315,12 +315,12 @@ at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, cons
                                  const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
                                  const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
                                  const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
-                                 int64_t expected_routes) {
+                                 int64_t expected_routes, bool zero_tail) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   auto out = at::empty({s.rows, s.intermediate}, x.options().dtype(moe_gemm_out_dtype(x)));
   gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
-             expected_routes, s, out, at::empty({0}, x.options().dtype(at::kByte)), op);
+             expected_routes, s, out, at::empty({0}, x.options().dtype(at::kByte)), zero_tail, op);
   return out;
 }
 
@@ -328,12 +328,12 @@ void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const 
                                const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
                                bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
                                const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
-                               int64_t expected_routes) {
+                               int64_t expected_routes, bool zero_tail) {
   const char* op = "cake::moe_gemm1_swiglu_out";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
   check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
   gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
-             expected_routes, s, out, workspace, op);
+             expected_routes, s, out, workspace, zero_tail, op);
 }
 
 void quantize_into(const at::Tensor& x_in, const c10::optional<at::Tensor>& scale, at::Tensor& out,
@@ -562,7 +562,7 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
                                     local_expert_offset, /*tile_size=*/128);
   const auto& offsets = std::get<1>(sorted);
   const auto h = moe_gemm1_swiglu_cuda(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1,
-                                       x_scale, w1_scale, -1);
+                                       x_scale, w1_scale, -1, /*zero_tail=*/false);
   const auto rows = moe_gemm2_cuda(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, -1);
   moe_finalize_out_cuda(rows, std::get<3>(sorted), scales, out, enable_pdl);
 }

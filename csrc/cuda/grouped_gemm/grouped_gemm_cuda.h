@@ -27,8 +27,8 @@ void run_grouped_gemm_cuda(GroupedGemmOp kind, const GroupedGemmShape& s, const 
 // The MoE GEMM1 in one kernel: the SwiGLU twin of the fwd tactic (`tactic`, or the tuned or
 // heuristic choice) writes SwiGLU(Step)(a @ b[e].T) into out [sum_m, N / 2] (b's up and gate rows
 // interleaved at 32; `limits`: group g's SwiGLUStep limit, device float32, or null) and, with
-// `zero_tail`, zeroes the rows past the last group end. False, with nothing launched, when that tactic has no twin (the
-// caller runs the fwd GEMM and the SwiGLU kernel). `workspace` as above, required.
+// `zero_tail`, zeroes the rows past the last group end. False, with nothing launched, when that
+// tactic has no twin (the caller runs the fwd GEMM and the SwiGLU kernel). `workspace` as above, required.
 bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                                   const at::Tensor& offs, at::Tensor& out, const float* limits, const char* op,
                                   bool pdl, int64_t tactic, at::Tensor& workspace, bool zero_tail,

@@ -406,14 +406,15 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
     ("fwd", 8, 2048, 28672, 4096, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),       # Mixtral T=1024 GEMM1
     ("fwd", 8, 8192, 28672, 4096, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),      # 1024 rows per group
     ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),     # 64: weight-bound
-    ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),     # K > 4096 (Kimi-K2 shard)
+    ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),      # any K (Kimi-K2 shard)
+    ("fwd", 8, 2048, 4096, 14336, "fwd_bf16_ping_64x256x64_c1x1", "none"),         # Mixtral T=1024 GEMM2
     ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
     ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1", "swiglu"),   # StepFun fp8 T=2048 GEMM1
     ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "scatter"),
 ])
 def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
-    """129 to 384 rows per group: 64x256 pingpong for bfloat16 and e4m3 fwd with K <= 4096 (in elements), not
-    under the fused finalize (the epilogue twin that will run the tactic)."""
+    """129 to 384 rows per group: 64x256 pingpong for bfloat16 and e4m3 fwd (any K since session 19), not under
+    the fused finalize (the epilogue twin that will run the tactic)."""
     names = cake_ops._C.grouped_gemm_tactics(family)
     assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue)] == expected
 
@@ -424,8 +425,8 @@ def test_heuristic_expected_rows():
     GEMM1 over 8192 rows of which ~1024 are its own: 21 per expert, the swap-AB regime."""
     names = cake_ops._C.grouped_gemm_tactics("fwd")
     tactic_for = cake_ops._C.grouped_gemm_tactic_for
-    # Without the hint: 170 rows per expert, but K = 7168 keeps the cooperative tile (small-groups rule).
-    assert names[tactic_for("fwd", 48, 8192, 4096, 7168)] == "fwd_bf16_coop_128x256x64_c1x2"
+    # Without the hint: 170 rows per expert, the small-groups rule's 64x256 pingpong tile.
+    assert names[tactic_for("fwd", 48, 8192, 4096, 7168)] == "fwd_bf16_ping_64x256x64_c1x1"
     # T=4096: 85 rows per expert, weight-bound: not the 64-row tiles either.
     assert names[tactic_for("fwd", 48, 32768, 4096, 7168, 4096)] == "fwd_bf16_coop_128x256x64_c1x2"
     assert names[tactic_for("fwd", 48, 8192, 4096, 7168, 1024)] == "fwd_bf16_swapab_coop_128x32x128_c1x1"

@@ -59,6 +59,26 @@ def test_preallocated_output_and_intermediate(device):
     assert torch.isfinite(inter.float()).all()  # GEMM1 wrote every permuted row
 
 
+@pytest.mark.parametrize("fused_finalize", [True, False])
+def test_unwritten_intermediate_tail_is_never_read(device, fused_finalize):
+    """On CUDA GEMM1 leaves the rows past the shard's kept routes unwritten (zero_tail=False): a NaN-filled
+    intermediate_buffer must not reach the output, so GEMM2 and the finalize read the kept rows only."""
+    x, ids, scales, w1, w2, e, k, e_local, offset = problem("ep_shard", device, torch.bfloat16, inter=128)
+    w1 = interleave_up_gate_sm90(w1)
+    tiles = dict(tile_size=128, gemm1_tile_n=256)  # a tile with a SwiGLU twin: the path that skips the tail
+    expected = fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset, use_fused_finalize=False, **tiles)
+    inter = torch.full((x.shape[0] * k, w2.shape[2]), float("nan"), dtype=x.dtype, device=device)
+    got = fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset, use_fused_finalize=fused_finalize,
+                         intermediate_buffer=inter, **tiles)
+    kept = int(((ids >= offset) & (ids < offset + e_local)).sum())
+    assert 0 < kept < inter.shape[0] and torch.isfinite(inter[:kept].float()).all()
+    if fused_finalize:  # atomics: any order of the route adds
+        assert torch.isfinite(got.float()).all()
+        assert (got.float() - expected.float()).norm() / expected.float().norm() < 1e-2
+    else:
+        assert torch.equal(got, expected)
+
+
 def test_non_contiguous_routing_and_activations():
     x, ids, scales, w1, w2, e, k, e_local, offset = problem("top2", "cpu", torch.bfloat16)
     w1 = interleave_up_gate_sm90(w1)

@@ -408,13 +408,16 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
     ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),     # 64: weight-bound
     ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),      # any K (Kimi-K2 shard)
     ("fwd", 8, 2048, 4096, 14336, "fwd_bf16_ping_64x256x64_c1x1", "none"),         # Mixtral T=1024 GEMM2
+    ("fwd", 8, 2048, 4096, 14336, "fwd_bf16_ping_64x256x64_c1x1", "scatter"),      # ... K >= 8192: + finalize
+    ("fwd", 128, 32768, 4096, 1536, "fwd_bf16_coop_128x256x64_c1x2", "scatter"),   # Qwen3-235B T=4096 GEMM2
     ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
     ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1", "swiglu"),   # StepFun fp8 T=2048 GEMM1
     ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "scatter"),
 ])
 def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
-    """129 to 384 rows per group: 64x256 pingpong for bfloat16 and e4m3 fwd (any K since session 19), not under
-    the fused finalize (the epilogue twin that will run the tactic)."""
+    """129 to 384 rows per group: 64x256 pingpong for bfloat16 and e4m3 fwd (any K since session 19); under the
+    fused finalize (the epilogue twin that will run the tactic) only from K = 8192, since the tile has no
+    scatter twin and runs the plain GEMM, then the finalize kernel."""
     names = cake_ops._C.grouped_gemm_tactics(family)
     assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue)] == expected
 

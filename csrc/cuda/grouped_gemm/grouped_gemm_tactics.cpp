@@ -246,18 +246,22 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // tiles waste fewer rows of each group's last tile, and the pingpong overlaps one warp group's
   // epilogue with the other's MMAs. H200 (results/sweep_moe_gemm_h200_mid_t.txt): GEMM1 (SwiGLU
   // twin) -1 to -8% (Qwen3-235B T=4096 1617.6 -> 1487.2 us), plain GEMM2 -4 to -10%; end to end
-  // Qwen3-30B / Qwen3-235B T=4096 -4 / -7%. Not under the fused finalize (its scatter epilogue
-  // outlasts the other warp group's MMAs: slower), not from 1024 rows up (the cooperative tile
-  // leads: Mixtral T=4096 GEMM1 +2%), and not up to 128 rows, where the weight stream bounds the
-  // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows) and 64-row tiles read each weight tile
-  // twice as often: the Kimi-K2 shard at T=4096 (85 rows per expert) ran 20% slower with them.
+  // Qwen3-30B / Qwen3-235B T=4096 -4 / -7%. Under the fused finalize the tile has no scatter twin
+  // (its scatter epilogue outlasts the other warp group's MMAs), so choosing it there means the plain
+  // GEMM2 and then the finalize kernel, an extra pass over the [rows, N] output that pays only after a
+  // long mainloop: K >= 8192 (Mixtral T=1024, K = 14336: 1.478 -> 1.438 ms; Qwen3-235B / Qwen3-30B
+  // T=4096, K = 1536 / 768: no gain; results/ab_small_groups_scatter_h200.txt). Not from 1024 rows
+  // up (the cooperative tile leads: Mixtral T=4096 GEMM1 +2%), and not up to 128 rows, where the
+  // weight stream bounds the GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows) and 64-row tiles
+  // read each weight tile twice as often: the Kimi-K2 shard at T=4096 (85 rows per expert) ran 20%
+  // slower with them.
   // Any K: the shard's GEMM1 (K = 7168, 341 rows at T=16384) once ran 2.80 -> 3.99 ms with them, but
   // that was PDL overlapping the kernel with the zeroing of GEMM1's unread tail rows; without the
   // zeroing it gains (fused 2.54 -> 2.50 ms, deterministic 2.65 -> 2.55; ab_gemm1_tail_h200.txt).
   // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
-  constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384;
+  constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384, kScatterFallbackMinK = 8192;
   if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= kSmallGroupMaxRows &&
-      twin != EpilogueTwin::kScatter) {
+      (twin != EpilogueTwin::kScatter || s.k >= kScatterFallbackMinK)) {
     return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an

@@ -1,5 +1,7 @@
 // Every cake:: schema lives here. Backends register their kernels in their own files with
 // TORCH_LIBRARY_IMPL(cake, CPU|CUDA, m); fakes and autograd live in python/cake_ops.
+// The stable ABI (abi3) only: one module binary imports under any CPython >= 3.10.
+#define Py_LIMITED_API 0x030A0000
 #include <Python.h>
 #include <torch/library.h>
 
@@ -172,13 +174,18 @@ PyObject* workspace_size(PyObject*, PyObject* arg) {
 #ifdef CAKE_WITH_CUDA
 // Tactic names of a family ("fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16"), in tactic-number order.
 PyObject* grouped_gemm_tactics(PyObject*, PyObject* arg) {
-  const char* family = PyUnicode_AsUTF8(arg);
+  const char* family = PyUnicode_AsUTF8AndSize(arg, nullptr);
   if (family == nullptr) return nullptr;
   try {
     const auto& table = cake::tactics_sm90(cake::tactic_family(family));
     PyObject* names = PyList_New(static_cast<Py_ssize_t>(table.size()));
+    if (names == nullptr) return nullptr;
     for (size_t i = 0; i < table.size(); ++i) {
-      PyList_SET_ITEM(names, i, PyUnicode_FromString(table[i].name.c_str()));
+      PyObject* name = PyUnicode_FromString(table[i].name.c_str());
+      if (name == nullptr || PyList_SetItem(names, static_cast<Py_ssize_t>(i), name) < 0) {
+        Py_DECREF(names);
+        return nullptr;
+      }
     }
     return names;
   } catch (const c10::Error& e) {

@@ -45,3 +45,29 @@ run_by() {
   if [ "$left" -lt "$need" ]; then echo "(skipped for time at $(el) s: $*)"; return 0; fi
   timeout "$left" "$@"
 }
+
+# The sources a module is built from, as one checksum (a prebuilt module is used only for the
+# same sources).
+cake_source_sum() {
+  find csrc CMakeLists.txt CMakePresets.json tools/build_paths.py -type f | LC_ALL=C sort | xargs md5sum | md5sum | cut -c1-32
+}
+
+# A module built on another machine against the device's torch (2.11.0+cu130; the module uses the
+# stable Python ABI, so a build under CPython 3.11 imports under 3.12), xz-compressed in the wheels
+# folder by tools/prebuild_module.sh: it saves a call its cold build (~250 s). Installed only for
+# the same sources and if it imports; otherwise returns 1 and the caller builds (cake_build).
+cake_use_prebuilt() {
+  local packed="$WHEELS/cake_C_sm90.abi3.so.xz"
+  [ -f "$packed" ] || return 1
+  if [ "$(cat "$WHEELS/cake_C_sm90.source_md5" 2>/dev/null)" != "$(cake_source_sum)" ]; then
+    echo "prebuilt module: built from other sources, not used"
+    return 1
+  fi
+  xz -dc "$packed" > python/cake_ops/_C.abi3.so || return 1
+  if python3 -c "import torch, cake_ops; assert cake_ops._C.CUDA_ARCHS == '90a'; torch.ops.cake.moe_sort" 2>&1; then
+    echo "prebuilt module in use"
+  else
+    rm -f python/cake_ops/_C.abi3.so
+    return 1
+  fi
+}

@@ -57,15 +57,4 @@ struct GroupedGemmParams {
 
 using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);
 
-namespace sm90 {
-// One function per kernel configuration (configs_sm90.inc), each in its own generated .cu file.
-#define CAKE_GG_CONFIG(name, ...) void grouped_gemm_##name(const GroupedGemmParams& p, cudaStream_t stream);
-#define CAKE_SWIGLU_CONFIG CAKE_GG_CONFIG
-#define CAKE_SCATTER_CONFIG CAKE_GG_CONFIG
-#include "cuda/grouped_gemm/configs_sm90.inc"
-#undef CAKE_SCATTER_CONFIG
-#undef CAKE_SWIGLU_CONFIG
-#undef CAKE_GG_CONFIG
-}  // namespace sm90
-
 }  // namespace cake

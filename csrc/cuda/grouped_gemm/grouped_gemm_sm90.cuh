@@ -366,15 +366,18 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
 
 }  // namespace cake::sm90
 
-// Defines the launcher of one configuration (used by the generated per-configuration .cu files);
+// Defines the launcher of one configuration (used by the generated per-configuration .cu files;
+// grouped_gemm_tactics.cpp declares them all);
 // a SwiGLU twin (CAKE_SWIGLU_CONFIG) or scatter twin (CAKE_SCATTER_CONFIG) is the same
 // configuration with kind kFwdSwiGlu or kFwdScatter.
 #define CAKE_GG_DEFINE_CONFIG(name, kind, in, out, tm, tn, tk, cm, cn, schedule)                  \
-  void cake::sm90::grouped_gemm_##name(const cake::GroupedGemmParams& p, cudaStream_t stream) { \
-    using Config = cake::sm90::GroupedGemmConfig<                                                \
-        cake::sm90::Kind::kind, in, out, cute::Shape<cute::Int<tm>, cute::Int<tn>, cute::Int<tk>>, \
-        cute::Shape<cute::Int<cm>, cute::Int<cn>, cute::_1>, cake::sm90::schedule>;              \
-    cake::sm90::run_grouped_gemm<Config>(p, stream);                                             \
+  namespace cake::sm90 {                                                                        \
+  void grouped_gemm_##name(const cake::GroupedGemmParams& p, cudaStream_t stream) {             \
+    using Config = GroupedGemmConfig<Kind::kind, in, out,                                        \
+                                     cute::Shape<cute::Int<tm>, cute::Int<tn>, cute::Int<tk>>,   \
+                                     cute::Shape<cute::Int<cm>, cute::Int<cn>, cute::_1>, schedule>; \
+    run_grouped_gemm<Config>(p, stream);                                                         \
+  }                                                                                              \
   }
 #define CAKE_SWIGLU_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG
 #define CAKE_SCATTER_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG

@@ -63,6 +63,8 @@ cake_use_prebuilt() {
     echo "prebuilt module: built from other sources, not used"
     return 1
   fi
+  # A warm machine may keep an earlier call's build: CPython would import its cpython-312 module first.
+  rm -f python/cake_ops/_C*.so
   xz -dc "$packed" > python/cake_ops/_C.abi3.so || return 1
   if python3 -c "import torch, cake_ops; assert cake_ops._C.CUDA_ARCHS == '90a'; torch.ops.cake.moe_sort" 2>&1; then
     echo "prebuilt module in use"

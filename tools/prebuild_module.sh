@@ -17,9 +17,10 @@ export PYTHONPATH="$TORCH_SITE"
 python3 -c "import torch; assert torch.__version__.startswith('2.11.0'), torch.__version__"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCAKE_WITH_CUDA=ON -DCAKE_CUDA_ARCHS=9.0a \
   -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$BUILD/module" -DPython_EXECUTABLE="$(command -v python3)" >/dev/null
-sum_before=$(source tools/device_env.sh >/dev/null 2>&1; cake_source_sum)
+source tools/device_env.sh >/dev/null  # cake_source_sum
+sum_before=$(cake_source_sum)
 cmake --build "$BUILD" --parallel "${MAX_JOBS:-2}"
-sum_after=$(source tools/device_env.sh >/dev/null 2>&1; cake_source_sum)
+sum_after=$(cake_source_sum)
 [ "$sum_before" = "$sum_after" ] || { echo "sources changed during the build; run again" >&2; exit 1; }
 mkdir -p .whl
 xz -T0 -6 -c "$BUILD"/module/_C*.so > .whl/cake_C_sm90.abi3.so.xz

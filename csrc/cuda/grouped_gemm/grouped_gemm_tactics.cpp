@@ -13,6 +13,19 @@
 #include <tuple>
 
 namespace cake {
+
+namespace sm90 {
+// One function per kernel configuration (configs_sm90.inc), each in its own generated .cu file
+// (declared here only, so that a new line there compiles one new file, not all of them).
+#define CAKE_GG_CONFIG(name, ...) void grouped_gemm_##name(const GroupedGemmParams& p, cudaStream_t stream);
+#define CAKE_SWIGLU_CONFIG CAKE_GG_CONFIG
+#define CAKE_SCATTER_CONFIG CAKE_GG_CONFIG
+#include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_SCATTER_CONFIG
+#undef CAKE_SWIGLU_CONFIG
+#undef CAKE_GG_CONFIG
+}  // namespace sm90
+
 namespace {
 
 std::array<std::atomic<int>, static_cast<int>(TacticFamily::kCount)> g_override{-1, -1, -1, -1, -1, -1};
@@ -40,22 +53,6 @@ BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s, EpilogueTwi
   while (rows < choice_rows(s)) rows *= 2;
   return {static_cast<int>(family), s.num_groups, rows, s.n, s.k, static_cast<int>(twin)};
 }
-
-}  // namespace
-
-namespace sm90 {
-// One function per kernel configuration (configs_sm90.inc), each in its own generated .cu file
-// (declared here only, so that a new line there compiles one new file, not all of them).
-#define CAKE_GG_CONFIG(name, ...) void grouped_gemm_##name(const GroupedGemmParams& p, cudaStream_t stream);
-#define CAKE_SWIGLU_CONFIG CAKE_GG_CONFIG
-#define CAKE_SCATTER_CONFIG CAKE_GG_CONFIG
-#include "cuda/grouped_gemm/configs_sm90.inc"
-#undef CAKE_SCATTER_CONFIG
-#undef CAKE_SWIGLU_CONFIG
-#undef CAKE_GG_CONFIG
-}  // namespace sm90
-
-namespace {
 
 std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
   // Every epilogue twin configuration by name: fwd_<tile> has swiglu_<tile> and scatter_<tile>.

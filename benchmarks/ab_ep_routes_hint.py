@@ -15,6 +15,7 @@ import cake_ops.fused_moe as fm
 from bench_fused_moe import MODELS, routing
 from bench_grouped_gemm import Timer, seed_case
 from cake_ops import _C
+from sweep_moe_gemm import model_weights
 
 
 def call(x, ids, scales, w1, w2, e, k, e_local, offset, fused, hint):
@@ -42,9 +43,7 @@ def main():
           "no = hint off)  GEMM1 tactic with / without the hint")
     for name in args.models.split(","):
         e, k, h, inter, e_local, offset = MODELS[name]
-        seed_case(name)
-        w1 = fm.interleave_up_gate_sm90((torch.randn(e_local, 2 * inter, h, device="cuda") / h**0.5).bfloat16())
-        w2 = (torch.randn(e_local, h, inter, device="cuda") / inter**0.5).bfloat16()
+        w1, w2 = model_weights(name)
         for t in [int(v) for v in args.tokens.split(",")]:
             seed_case(name, t)
             x = torch.randn(t, h, device="cuda").bfloat16()

@@ -11,7 +11,8 @@ import torch
 import cake_ops
 from bench_fused_moe import MODELS, routing
 from bench_grouped_gemm import Timer, seed_case
-from cake_ops.fused_moe import fused_moe_bf16, interleave_up_gate_sm90
+from cake_ops.fused_moe import fused_moe_bf16
+from sweep_moe_gemm import model_weights
 
 
 def main():
@@ -26,9 +27,7 @@ def main():
           "  (ms, graph replays; ratio = no PDL / PDL)")
     for name in args.models.split(","):
         e, k, h, inter, e_local, offset = MODELS[name]
-        seed_case(name)
-        w1 = interleave_up_gate_sm90((torch.randn(e_local, 2 * inter, h, device="cuda") / h**0.5).bfloat16())
-        w2 = (torch.randn(e_local, h, inter, device="cuda") / inter**0.5).bfloat16()
+        w1, w2 = model_weights(name)
         for t in [int(v) for v in args.tokens.split(",")]:
             seed_case(name, t)
             x = torch.randn(t, h, device="cuda").bfloat16()

@@ -57,8 +57,10 @@ def fused_moe_rows(args, timer):
             ws = torch.empty(cake_ops._C.moe_forward_workspace_size(t * k, h, inter), dtype=torch.uint8,
                              device="cuda")
 
+            hint = fm.expected_routes(t * k, e_local, e)  # as fused_moe_bf16 passes it
+
             def layer():
-                torch.ops.cake.moe_forward_out(x, ids, scales, w1, w2, offset, out, ws)
+                torch.ops.cake.moe_forward_out(x, ids, scales, w1, w2, offset, out, ws, expected_routes=hint)
                 return out
             fns = {"layer": (layer, None),
                    "fused": (staged(lambda: fm.fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset)), None),

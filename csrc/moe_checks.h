@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+
 #include "grouped_gemm_checks.h"
 
 namespace cake {
@@ -67,6 +69,11 @@ void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, con
 
 // The MoE GEMMs' expected_routes hint: -1 (every row) or a count >= 0; returns it.
 int64_t check_expected_routes(int64_t expected_routes, const char* op);
+// The expected_routes hint of a shard of num_local of num_experts over `routes` routes: its share
+// under even routing, rounded up; -1 (all of them) for the whole set (fused_moe.expected_routes).
+inline int64_t moe_expected_routes(int64_t routes, int64_t num_local, int64_t num_experts) {
+  return num_local >= num_experts ? -1 : (routes * num_local + num_experts - 1) / num_experts;
+}
 
 // moe_routing's arguments: exactly one of router_logits or (topk_ids and topk_weights), then the
 // shard (check_moe_shard). Returns the token count.
@@ -143,8 +150,17 @@ MoeGemm2FinalizeShape check_moe_gemm2_finalize_out(const at::Tensor& intermediat
 // w1_scale / w2_scale and optional static x_scale / fc2_scale: check_moe_gemm_input);
 // clamp_limits as check_clamp_limits; out [T, H] of x's dtype, contiguous; workspace uint8, empty
 // or moe_forward_workspace_bytes(T * top_k, H, I) bytes.
+// The layer kernel's h [routes, I] and y [routes, H] (16-bit), then for a phase it spreads over
+// CTAs (at most kMoeForwardSplitItems items of 64 weight rows) a float per item and the float32
+// sums of each K slice of kMoeForwardSliceBytes (the decode kernel's; bfloat16 has the most).
+constexpr int64_t kMoeForwardSplitItems = 256;
+constexpr int64_t kMoeForwardSliceBytes = 2048;
+inline int64_t moe_forward_max_slices(int64_t hidden, int64_t intermediate) {
+  return (2 * std::max(hidden, intermediate) + kMoeForwardSliceBytes - 1) / kMoeForwardSliceBytes;
+}
 inline int64_t moe_forward_workspace_bytes(int64_t routes, int64_t hidden, int64_t intermediate) {
-  return 2 * routes * (intermediate + hidden);  // the layer kernel's h [routes, I] and y [routes, H], 16-bit
+  return 2 * routes * (intermediate + hidden) +
+         4 * kMoeForwardSplitItems * (1 + 64 * moe_forward_max_slices(hidden, intermediate));
 }
 struct MoeForwardShape {
   int64_t num_tokens = 0, top_k = 0, hidden = 0, intermediate = 0, num_local_experts = 0;

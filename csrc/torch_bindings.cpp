@@ -141,14 +141,17 @@ TORCH_LIBRARY(cake, m) {
   // each GEMM (x_scale / fc2_scale static, or dynamic). On CUDA a decode batch (T * top_k <= 64
   // routes, shapes the decode kernel takes: moe_forward_layer_fits) runs as one cooperative launch
   // with a uint8 workspace of moe_forward_workspace_size(T * top_k, H, I) bytes (empty: allocated
-  // by the op); anything else runs the four ops.
+  // by the op); anything else runs the four ops. expected_routes: as the MoE GEMMs' (a shard's
+  // share of the T * top_k routes under even routing, -1: all); it picks kernels, never results.
   m.def(
       "moe_forward_out(Tensor x, Tensor token_selected_experts, Tensor token_final_scales, Tensor w1, Tensor w2, "
       "int local_expert_offset, Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, "
-      "Tensor? x_scale=None, Tensor? w1_scale=None, Tensor? fc2_scale=None, Tensor? w2_scale=None) -> ()");
+      "Tensor? x_scale=None, Tensor? w1_scale=None, Tensor? fc2_scale=None, Tensor? w2_scale=None, "
+      "int expected_routes=-1) -> ()");
   // moe_routing (Renormalize top-k of router_logits [T, E]) into token_selected_experts [T, k] int32
   // and token_final_scales [T, k] float32 (written; k = their width), then moe_forward_out with
-  // them: the StepFun decode layer (on CUDA the routing kernel, then moe_forward_out's kernels).
+  // them: the StepFun decode layer (on CUDA the routing kernel, then moe_forward_out's kernels; its
+  // expected_routes from router_logits' width E: T * top_k * E_local / E for a shard).
   m.def(
       "moe_forward_from_logits_out(Tensor x, Tensor router_logits, Tensor w1, Tensor w2, int local_expert_offset, "
       "Tensor(a!) token_selected_experts, Tensor(b!) token_final_scales, Tensor(c!) out, Tensor(d!) workspace, "

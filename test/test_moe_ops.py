@@ -589,7 +589,8 @@ def test_interleave_up_gate_sm90():
 # ---- moe_forward_out: the whole layer (on CUDA, the one-launch layer kernel at decode sizes) ----
 # name -> (num_tokens, top_k, num_experts, num_local_experts, local_expert_offset); "many_routes"
 # has 80 routes, past the layer kernel's 64: CUDA runs the four ops there.
-FORWARD_CASES = {"one_token": (1, 8, 64, 64, 0), "ep_shard": (1, 8, 64, 16, 16), "three_tokens": (3, 4, 16, 16, 0),
+FORWARD_CASES = {"one_token": (1, 8, 64, 64, 0), "ep_shard": (1, 8, 64, 16, 16), "ep_shard_4": (1, 8, 64, 4, 16),
+                 "three_tokens": (3, 4, 16, 16, 0),
                  "top1": (2, 1, 8, 8, 0), "no_tokens": (0, 8, 16, 16, 0), "many_routes": (20, 4, 16, 16, 0)}
 
 
@@ -624,11 +625,11 @@ def staged_forward(x, ids, scales, w1, w2, offset, tactic=-1, clamp_limits=None,
     return torch.ops.cake.moe_finalize(rows, e2p, scales)
 
 
-def forward_out(args, opt, offset, workspace=None):
+def forward_out(args, opt, offset, workspace=None, expected_routes=-1):
     x = args[0]
     out = torch.full_like(x, float("nan"))
     ws = torch.empty(0, dtype=torch.uint8, device=x.device) if workspace is None else workspace
-    torch.ops.cake.moe_forward_out(*args, offset, out, ws, True, **opt)
+    torch.ops.cake.moe_forward_out(*args, offset, out, ws, True, **opt, expected_routes=expected_routes)
     return out
 
 
@@ -673,6 +674,38 @@ def test_moe_forward_out_layer_kernel(case, dtype, static_scales, limits):
     # A caller-owned workspace gives the same bits.
     ws = torch.empty(cake_ops._C.moe_forward_workspace_size(t * k, 512, 256), dtype=torch.uint8, device="cuda")
     assert torch.equal(forward_out(args, opt, offset, ws), got)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype,static_scales", [(torch.bfloat16, False), (torch.float16, False),
+                                                 (torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True)])
+@pytest.mark.parametrize("local_routes", [1, 2, 4])
+def test_layer_kernel_spreads_few_items_over_the_grid(dtype, static_scales, local_routes):
+    """An EP shard's token with H=4096, I=2048 (16-bit K: 4 slices in GEMM1, 2 in GEMM2; e4m3: 2 and
+    1): one or two local routes (64 or 128 GEMM1 items for ~264 CTAs) make the layer kernel that
+    expected_routes selects spread each item's K slices over CTAs; four routes do not (the control).
+    The same bits as the kernel without spreading (no hint) and as the decode kernel, which sum every
+    slice in one CTA, and close to the CPU op."""
+    hidden, inter = 4096, 2048
+    args, opt, (_, offset, e_local) = forward_problem("ep_shard_4", dtype, True, static_scales, "cuda", hidden, inter)
+    local = [offset + j for j in range(local_routes)]
+    others = [e for e in range(64) if not offset <= e < offset + e_local][:8 - local_routes]
+    args[1].copy_(torch.tensor([local + others], dtype=torch.int32)[:, torch.randperm(8)])
+    assert cake_ops._C.moe_forward_layer_fits(8, hidden, inter, args[3].element_size())
+    got = forward_out(args, opt, offset, expected_routes=local_routes)
+    assert torch.equal(got, forward_out(args, opt, offset))
+    assert torch.equal(got, staged_forward(*args, offset, tactic=-2, **opt))
+    want = forward_out([a.cpu() for a in args], {n: v.cpu() if v is not None else None for n, v in opt.items()}, offset)
+    tol = 5e-2 if dtype == torch.float8_e4m3fn else 2e-2
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
+
+
+def test_moe_forward_workspace_size_is_the_fakes():
+    """The fake's workspace rule (Python, traceable) is moe_forward_workspace_size's."""
+    from cake_ops._fake import _moe_forward_workspace_bytes
+    for routes, hidden, inter in [(1, 512, 256), (8, 4096, 2048), (64, 7168, 2048), (3, 2048, 14336), (5, 64, 32)]:
+        assert _moe_forward_workspace_bytes(routes, hidden, inter) == cake_ops._C.moe_forward_workspace_size(
+            routes, hidden, inter)
 
 
 def captured(run):
@@ -747,7 +780,7 @@ class TestMoeForwardErrors(OpErrorCase):
         self.assertExpectedInline(self.error(x, ids, scales, w1, w2, -1, out, ws), """cake::moe_forward_out: local_expert_offset must be >= 0, got -1""")
         self.assertExpectedInline(self.error(x, ids, scales, w1.half(), w2.half(), 0, out, ws), """cake::moe_forward_out: w1 must have x's dtype BFloat16 (or be float8_e4m3fn with bfloat16 x), got Half""")
         self.assertExpectedInline(self.error(x, ids, scales, w1, w2, 0, out[:2], ws), """cake::moe_forward_out: out must have shape [num_tokens, hidden] = [3, 512], got [2, 512]""")
-        self.assertExpectedInline(self.error(x, ids, scales, w1, w2, 0, out, torch.empty(8, dtype=torch.uint8)), """cake::moe_forward_out: workspace must be a contiguous uint8 tensor of 0 or at least 18432 bytes on cpu, got Byte [8] on cpu""")
+        self.assertExpectedInline(self.error(x, ids, scales, w1, w2, 0, out, torch.empty(8, dtype=torch.uint8)), """cake::moe_forward_out: workspace must be a contiguous uint8 tensor of 0 or at least 84992 bytes on cpu, got Byte [8] on cpu""")
         w1q, w1s = quantize_per_expert(w1)
         w2q, _ = quantize_per_expert(w2)
         self.assertExpectedInline(self.error(x, ids, scales, w1q, w2q, 0, out, ws), """cake::moe_forward_out: float8_e4m3fn w1 needs its scales (one per local expert)""")

@@ -258,17 +258,18 @@ void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_exper
                      int64_t local_expert_offset, at::Tensor out, at::Tensor workspace, bool enable_pdl,
                      const c10::optional<at::Tensor>& clamp_limits, const c10::optional<at::Tensor>& x_scale,
                      const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& fc2_scale,
-                     const c10::optional<at::Tensor>& w2_scale) {
+                     const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes) {
   const auto s = check_moe_forward_out(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
                                        workspace, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale,
                                        "cake::moe_forward_out");
+  check_expected_routes(expected_routes, "cake::moe_forward_out");
   // Ids outside the shard are dropped whatever num_experts, so the shard's end serves as it.
   const auto sorted = moe_sort(token_selected_experts, local_expert_offset + s.num_local_experts,
                                s.num_local_experts, local_expert_offset, /*tile_size=*/128);
   const auto& offsets = std::get<1>(sorted);
   const auto h = moe_gemm1_swiglu(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1, x_scale,
-                                  w1_scale, -1, /*zero_tail=*/false);
-  const auto rows = moe_gemm2(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, -1);
+                                  w1_scale, expected_routes, /*zero_tail=*/false);
+  const auto rows = moe_gemm2(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, expected_routes);
   out.copy_(moe_finalize(rows, std::get<3>(sorted), token_final_scales, enable_pdl));
 }
 
@@ -287,7 +288,8 @@ void moe_forward_from_logits_out(const at::Tensor& x, const at::Tensor& router_l
   token_selected_experts.copy_(ids);
   token_final_scales.copy_(weights);
   moe_forward_out(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out, workspace,
-                  enable_pdl, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale);
+                  enable_pdl, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale,
+                  moe_expected_routes(s.num_tokens * s.top_k, s.num_local_experts, router_logits.size(1)));
 }
 
 TORCH_LIBRARY_IMPL(cake, CPU, m) {

@@ -44,6 +44,6 @@ void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_exper
                      int64_t local_expert_offset, at::Tensor out, at::Tensor workspace, bool enable_pdl,
                      const c10::optional<at::Tensor>& clamp_limits, const c10::optional<at::Tensor>& x_scale,
                      const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& fc2_scale,
-                     const c10::optional<at::Tensor>& w2_scale);
+                     const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes);
 
 }  // namespace cake

@@ -320,6 +320,16 @@ def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_
            f"{list(out.shape)} {out.dtype}")
 
 
+_MOE_FORWARD_SPLIT_ITEMS = 256  # kMoeForwardSplitItems (moe_checks.h)
+_MOE_FORWARD_SLICE_BYTES = 2048  # kMoeForwardSliceBytes
+
+
+def _moe_forward_workspace_bytes(routes, hidden, inter):
+    """moe_forward_workspace_bytes (moe_checks.h): h and y (16-bit), then slice sums and scales."""
+    slices = -(-2 * max(hidden, inter) // _MOE_FORWARD_SLICE_BYTES)
+    return 2 * routes * (inter + hidden) + 4 * _MOE_FORWARD_SPLIT_ITEMS * (1 + 64 * slices)
+
+
 def _check_moe_forward(op, x, ids, scales, w1, w2, local_expert_offset, out, workspace, clamp_limits, x_scale,
                        w1_scale, fc2_scale, w2_scale):
     """check_moe_forward_out's checks (moe_checks.cpp)."""
@@ -349,7 +359,7 @@ def _check_moe_forward(op, x, ids, scales, w1, w2, local_expert_offset, out, wor
     _check(list(out.shape) == [tokens, hidden] and out.dtype == x.dtype,
            f"{op}: out must be [num_tokens, hidden] = {[tokens, hidden]} of x's dtype {x.dtype}, got "
            f"{list(out.shape)} {out.dtype}")
-    need = 2 * tokens * ids.shape[1] * (inter + hidden)
+    need = _moe_forward_workspace_bytes(tokens * ids.shape[1], hidden, inter)
     _check(workspace.dtype == torch.uint8 and workspace.dim() == 1 and
            (workspace.numel() == 0 or workspace.numel() >= need),
            f"{op}: workspace must be a uint8 tensor of 0 or at least {need} bytes, got {workspace.dtype} "
@@ -360,9 +370,10 @@ def _check_moe_forward(op, x, ids, scales, w1, w2, local_expert_offset, out, wor
 @register_fake("cake::moe_forward_out")
 def _moe_forward_out_fake(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
                           workspace, enable_pdl=True, clamp_limits=None, x_scale=None, w1_scale=None, fc2_scale=None,
-                          w2_scale=None):
+                          w2_scale=None, expected_routes=-1):
     _check_moe_forward("cake::moe_forward_out", x, token_selected_experts, token_final_scales, w1, w2,
                        local_expert_offset, out, workspace, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale)
+    _check_expected_routes(expected_routes, "cake::moe_forward_out")
 
 
 @register_fake("cake::moe_forward_from_logits_out")

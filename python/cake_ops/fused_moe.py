@@ -234,7 +234,8 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
         # the fused finalize's contract allows too).
         out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
         torch.ops.cake.moe_forward_out(x, ids, scales, w1_weight, w2_weight, local_expert_offset, out,
-                                       x.new_empty(0, dtype=torch.uint8), enable_pdl)
+                                       x.new_empty(0, dtype=torch.uint8), enable_pdl,
+                                       expected_routes=expected_routes(num_tokens * top_k, num_local, num_experts))
         return out
     tile = tile_size or default_tile_size(num_tokens, top_k, num_local, intermediate)
     _, offsets, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(

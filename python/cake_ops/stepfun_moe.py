@@ -325,7 +325,9 @@ def _layer(hidden_states: torch.Tensor, weights: StepFunWeights, router_logits: 
                                                    workspace, enable_pdl, *quantization)
     else:
         torch.ops.cake.moe_forward_out(hidden_states, topk_ids, topk_weights, weights.w1, weights.w2,
-                                       weights.local_expert_offset, out, workspace, enable_pdl, *quantization)
+                                       weights.local_expert_offset, out, workspace, enable_pdl, *quantization,
+                                       expected_routes(topk_ids.numel(), weights.num_local_experts,
+                                                       weights.num_experts))
 
 
 def _check_weights(fn: str, weights) -> StepFunWeights:

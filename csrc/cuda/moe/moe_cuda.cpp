@@ -162,12 +162,17 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 // kMoeDecodeMaxRowsPerExpert rows per local expert on average, when its grid
 // (one CTA per 64 weight rows of each possible expert) covers the SMs -- one CTA streams ~1/3 of
 // an SM's share -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner).
+// An expert-parallel shard's GEMM (expected_rows >= 0: its share of the T * top_k routes) is
+// judged by that share, up to one row per local expert: the Kimi-K2 shard's GEMM1 at T=16 / 32
+// (16 / 32 of 128 / 256 rows for 48 experts) ran 7% / 6% faster on the decode kernel, at T=64
+// (1.3 rows per expert) 8% slower (results/sweep_moe_gemm_h200_t16.txt, _persistent.txt); end to
+// end T=16 0.306 -> 0.285 ms (results/ab_layer_spread_h200.txt).
 constexpr int64_t kMoeDecodeTactic = -2;
 constexpr int64_t kMoeDecodeMaxRows = 64;
 constexpr int64_t kMoeDecodeMaxRowsPerExpert = 2;
 
-bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes, int64_t num_experts,
-                       TacticFamily family, const char* op) {
+bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t expected_rows, int64_t n, int64_t k_bytes,
+                       int64_t num_experts, TacticFamily family, const char* op) {
   TORCH_CHECK(tactic >= kMoeDecodeTactic, op, ": tactic must be -2 (the decode kernel), -1 (automatic) or a grouped "
               "GEMM tactic >= 0, got ", tactic);
   const bool fits = sm90::moe_decode_gemm_fits(n, k_bytes, num_experts);
@@ -176,9 +181,11 @@ bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t n, int64_t k_bytes,
                 sm90::kMoeDecodeStepBytes, " == 0, got N=", n, " and ", k_bytes, " bytes of K");
     return true;
   }
-  const bool few_rows = rows <= kMoeDecodeMaxRows || rows <= kMoeDecodeMaxRowsPerExpert * num_experts;
+  const bool few_rows = expected_rows >= 0
+                            ? expected_rows <= std::min(kMoeDecodeMaxRows, num_experts)
+                            : rows <= kMoeDecodeMaxRows || rows <= kMoeDecodeMaxRowsPerExpert * num_experts;
   if (tactic != -1 || !fits || !few_rows || tactic_override_sm90(family) >= 0) return false;
-  const int64_t ctas = std::min(rows, num_experts) * (n / 64);
+  const int64_t ctas = std::min(rows, num_experts) * (n / 64);  // the grid (CTAs of experts without rows exit)
   return ctas >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
@@ -261,7 +268,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
               " (cake_ops._C.moe_gemm1_workspace_size), got ", workspace_in.scalar_type(), " ", workspace_in.sizes(),
               " on ", workspace_in.device());
   if (decode_takes_activations(quantize_x, x_scale.has_value(), x.numel(), tactic, "x", op) &&
-      use_decode_kernel(tactic, s.rows, w1.size(1), x.size(1) * w1.element_size(), w1.size(0),
+      use_decode_kernel(tactic, s.rows, expected_rows, w1.size(1), x.size(1) * w1.element_size(), w1.size(0),
                         tactic_family(GroupedGemmOp::kFwd, w1.scalar_type(), h_dtype), op)) {
     TORCH_CHECK(aligned16(w1), op, ": w1 must be 16-byte aligned");
     const at::Tensor w1_scale_contiguous = w1_scale ? w1_scale->contiguous() : at::Tensor();
@@ -359,7 +366,7 @@ void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::
   const bool decode =
       decode_takes_activations(quantize_a, a_scale.has_value(), intermediate.numel(), tactic, "the intermediate",
                                op) &&
-      (use_decode_kernel(tactic, shape.sum_m, shape.n, k_bytes, shape.num_groups, family, op) ||
+      (use_decode_kernel(tactic, shape.sum_m, shape.expected_rows, shape.n, k_bytes, shape.num_groups, family, op) ||
        (quantize_a && tactic == -1 && sm90::moe_decode_gemm_fits(shape.n, k_bytes, shape.num_groups)));
   if (decode) {
     const auto a_in = intermediate.contiguous();
@@ -474,8 +481,8 @@ void moe_gemm2_finalize_out_cuda(const at::Tensor& intermediate_in, const at::Te
   c10::cuda::CUDAGuard guard(intermediate_in.device());
   select_kernel_arch(intermediate_in.get_device(), op);
   const auto family = tactic_family(GroupedGemmOp::kFwd, w2.scalar_type(), out.scalar_type());
-  const bool decode = use_decode_kernel(tactic, s.gemm.sum_m, s.gemm.n, s.gemm.k * w2.element_size(),
-                                        s.gemm.num_groups, family, op);
+  const bool decode = use_decode_kernel(tactic, s.gemm.sum_m, s.gemm.expected_rows, s.gemm.n,
+                                        s.gemm.k * w2.element_size(), s.gemm.num_groups, family, op);
   if (!decode && s.finalize.num_tokens > 0) {
     const auto intermediate = intermediate_in.contiguous();
     const auto permuted_to_expanded = permuted_to_expanded_in.contiguous();
@@ -506,10 +513,12 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
                           const at::Tensor& w1, const at::Tensor& w2, int64_t local_expert_offset, at::Tensor out,
                           at::Tensor workspace, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits,
                           const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
-                          const c10::optional<at::Tensor>& fc2_scale, const c10::optional<at::Tensor>& w2_scale) {
+                          const c10::optional<at::Tensor>& fc2_scale, const c10::optional<at::Tensor>& w2_scale,
+                          int64_t expected_routes) {
   const char* op = "cake::moe_forward_out";
   const auto s = check_moe_forward_out(x_in, ids_in, scales_in, w1, w2, local_expert_offset, out, workspace,
                                        clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale, op);
+  check_expected_routes(expected_routes, op);
   if (s.num_tokens == 0) return;
   c10::cuda::CUDAGuard guard(x_in.device());
   select_kernel_arch(x_in.get_device(), op);
@@ -519,7 +528,7 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
   const int64_t routes = s.num_tokens * s.top_k;
   if (aligned16(x) && aligned16(out) &&
       sm90::moe_decode_layer_fits(routes, s.hidden, s.intermediate, w1.element_size())) {
-    // The layer kernel's h [routes, I] and y [routes, H], 16-bit.
+    // The layer kernel's h, y and slice sums (moe_forward_workspace_bytes).
     auto scratch = workspace.numel() > 0
                        ? workspace
                        : at::empty({moe_forward_workspace_bytes(routes, s.hidden, s.intermediate)},
@@ -548,8 +557,14 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
     a.w1_scale = contiguous_ptr(w1_scale, keep[2]);
     a.w2_scale = contiguous_ptr(w2_scale, keep[3]);
     a.limits = contiguous_ptr(clamp_limits, keep[4]);
-    a.h = scratch.data_ptr();
-    a.y = static_cast<uint8_t*>(scratch.data_ptr()) + routes * s.intermediate * 2;
+    static_assert(kMoeForwardSliceBytes == sm90::kMoeDecodeSliceBytes, "the workspace's slices are the kernel's");
+    auto* bytes = static_cast<uint8_t*>(scratch.data_ptr());
+    a.h = bytes;
+    a.y = bytes + routes * s.intermediate * 2;
+    a.alphas = reinterpret_cast<float*>(bytes + routes * (s.intermediate + s.hidden) * 2);
+    a.slice_sums = a.alphas + kMoeForwardSplitItems;
+    a.split_items = static_cast<int>(kMoeForwardSplitItems);
+    a.expected_routes = expected_routes;
     a.out = out.data_ptr();
     const auto element = s.fp8 ? sm90::MoeDecodeElement::kE4m3
                          : x.scalar_type() == at::kHalf ? sm90::MoeDecodeElement::kHalf
@@ -562,8 +577,8 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
                                     local_expert_offset, /*tile_size=*/128);
   const auto& offsets = std::get<1>(sorted);
   const auto h = moe_gemm1_swiglu_cuda(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1,
-                                       x_scale, w1_scale, -1, /*zero_tail=*/false);
-  const auto rows = moe_gemm2_cuda(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, -1);
+                                       x_scale, w1_scale, expected_routes, /*zero_tail=*/false);
+  const auto rows = moe_gemm2_cuda(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, expected_routes);
   moe_finalize_out_cuda(rows, std::get<3>(sorted), scales, out, enable_pdl);
 }
 
@@ -593,7 +608,8 @@ void moe_forward_from_logits_out_cuda(const at::Tensor& x, const at::Tensor& log
                          static_cast<int>(s.top_k), ids.data_ptr<int32_t>(), scales.data_ptr<float>(),
                          at::cuda::getCurrentCUDAStream(x.get_device()), enable_pdl);
   moe_forward_out_cuda(x, ids, scales, w1, w2, local_expert_offset, out, workspace, enable_pdl, clamp_limits, x_scale,
-                       w1_scale, fc2_scale, w2_scale);
+                       w1_scale, fc2_scale, w2_scale,
+                       moe_expected_routes(s.num_tokens * s.top_k, s.num_local_experts, num_experts));
 }
 
 }  // namespace

@@ -9,6 +9,11 @@
 // (B, up to 32 per pass) wait in shared memory; GEMM1 gathers x rows itself and applies the
 // SwiGLU(Step) in its epilogue, so one launch replaces gather + grouped GEMM + SwiGLU.
 //
+// K is summed in slices of kSliceSteps steps (2 KB of each weight row), each slice in its own
+// accumulators and added in slice order into a float32 total that starts at 0: the same bits
+// whether one CTA runs all of an item's slices (both kernels) or the layer kernel spreads them
+// over CTAs that would otherwise idle (an EP shard's one expert at T=1: 64 items for 264 CTAs).
+//
 // The 16-byte weight piece of a thread is not the k order wgmma's A fragment wants: the kernel
 // permutes K instead (a dot product does not care), by storing B's K in the matching order. Per
 // 64-byte block of K, thread t of a row group holds bytes [16t, 16t + 16); its word j (4 bytes)
@@ -51,6 +56,8 @@ constexpr int kPiecesPerRow = kStepRowBytes / 16;     // its 16-byte pieces
 constexpr int kRowsPerCopy = 32 / kPiecesPerRow;      // rows one warp-wide cp.async covers
 constexpr int kWarpStageBytes = 16 * kStepRowBytes;   // a warp's 16 weight rows of one step
 static_assert(kPiecesPerRow % 8 == 0 && kPiecesPerRow <= 32, "piece_offset's swizzle and the copies' lanes");
+constexpr int kSliceSteps = 8;                        // steps per K slice
+static_assert(kSliceSteps * kStepRowBytes == kMoeDecodeSliceBytes, "the slice the workspace is sized by");
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -132,6 +139,7 @@ struct DecodeParams {
   const float* a_scale = nullptr;               // fp8: alpha = a_scale * w_scale[e]
   bool quantize_a = false;                      // bfloat16 a rows (2 * k_bytes) quantized to e4m3
   int64_t a_elements = 0;                       // ... with a dynamic scale: the amax over all of a
+  bool fresh_a = false;                         // a was written in this kernel (stage_b)
   const float* w_scale = nullptr;
   const float* limits = nullptr;                // SwiGLUStep's per-expert limit
   void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
@@ -151,10 +159,11 @@ struct StepRegs {
 // the reads (rows g and g + 1, pieces 4u + t).
 __device__ __forceinline__ int piece_offset(int r, int c) { return r * kStepRowBytes + ((c ^ (4 * (r & 1))) * 16); }
 
-// warp_rows: the warp's first weight row at K = 0; row_bytes: the distance between rows.
+// warp_rows: the warp's first weight row at K = 0; row_bytes: the distance between rows; steps
+// past end_step copy nothing.
 __device__ __forceinline__ void copy_step(uint32_t ring, const uint8_t* warp_rows, int row_bytes, int step,
-                                          int steps) {
-  if (step < steps) {
+                                          int end_step) {
+  if (step < end_step) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t slot = ring + (step % kStages) * kStageBytes + warp * kWarpStageBytes;
     const int c = lane % kPiecesPerRow;
@@ -239,9 +248,10 @@ __device__ float a_scale_of(const DecodeParams& p) {
 // B's K chunk `chunk` into shared memory in wgmma's K order. kBatch segments per thread per round
 // have their loads in flight together: a decode pass stages a few KB, and a round trip to L2 per
 // segment was most of the staging's time.
-// kFresh: a was written earlier in this kernel (the layer kernel's intermediate): loads through L2
-// (ld.global.cg), not the read-only path, which may hold lines from before the writes.
-template <bool kGather, bool kFresh = false>
+// p.fresh_a: a was written earlier in this kernel (the layer kernel's intermediate): loads through
+// L2 (ld.global.cg), not the read-only path, which may hold lines from before the writes. (A
+// runtime flag: the layer kernel runs both GEMMs through one inlined pass.)
+template <bool kGather>
 __device__ void stage_b(const DecodeParams& p, const Pass& s, int chunk, float a_scale, uint8_t* b) {
   constexpr int kBatch = 4;
   const int begin = chunk * s.chunk_bytes;
@@ -263,11 +273,11 @@ __device__ void stage_b(const DecodeParams& p, const Pass& s, int chunk, float a
       const uint8_t* src = p.a + src_row * a_row_bytes;
       if (p.quantize_a) {
         const uint4* pair = reinterpret_cast<const uint4*>(src + 2 * int64_t(begin + 16 * seg));
-        raw[u][0] = kFresh ? __ldcg(pair) : __ldg(pair);
-        raw[u][1] = kFresh ? __ldcg(pair + 1) : __ldg(pair + 1);
+        raw[u][0] = p.fresh_a ? __ldcg(pair) : __ldg(pair);
+        raw[u][1] = p.fresh_a ? __ldcg(pair + 1) : __ldg(pair + 1);
       } else {
         const uint4* seg_src = reinterpret_cast<const uint4*>(src + begin) + seg;
-        raw[u][0] = kFresh ? __ldcg(seg_src) : __ldg(seg_src);
+        raw[u][0] = p.fresh_a ? __ldcg(seg_src) : __ldg(seg_src);
       }
     }
 #pragma unroll
@@ -382,6 +392,23 @@ __device__ __forceinline__ void zero(float (&acc)[kBlocks][4]) {
 }
 
 template <int kBlocks>
+__device__ __forceinline__ void add_into(float (&total)[kBlocks][4], const float (&acc)[kBlocks][4]) {
+#pragma unroll
+  for (int nb = 0; nb < kBlocks; ++nb)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) total[nb][j] = __fadd_rn(total[nb][j], acc[nb][j]);
+}
+
+// A slice's sums for token column 0 (the layer kernel's one row per item): slice_out[weight row].
+__device__ __forceinline__ void write_slice(const float (&acc)[1][4], float* slice_out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  if (t == 0) {
+    slice_out[16 * warp + g] = acc[0][0];
+    slice_out[16 * warp + g + 8] = acc[0][2];
+  }
+}
+
+template <int kBlocks>
 __device__ __forceinline__ void fence_acc(float (&acc)[kBlocks][4]) {
 #pragma unroll
   for (int nb = 0; nb < kBlocks; ++nb)
@@ -406,39 +433,50 @@ __device__ __forceinline__ void mma_step_fenced(StepRegs& regs, uint64_t desc0, 
 // One pass over the expert's weights for s.rows <= 8 * kBlocks token rows: the sums land in
 // tile[weight row][token] (fp32). The first pass also finds a's scale, once its first weight
 // copies are in flight (a dynamic one reads all of a: at fc2's fold 24 KB per CTA).
-// kGather: B rows through the permutation (GEMM1); kFresh: as stage_b.
-template <class T, bool kGather, int kBlocks, bool kFresh = false>
+// kGather: B rows through the permutation (GEMM1).
+// A part of K (the layer kernel's spread items): steps [first_step, end_step), whole slices, each
+// slice's sums for token column 0 to slice_out + slice * kTileM instead of the tile.
+template <class T, bool kGather, int kBlocks>
 __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* warp_rows, bool first_pass,
-                             float& a_scale, uint8_t* ring, uint8_t* b, float* tile) {
-  const int steps = p.k_bytes / (64 * kUnroll);
+                             float& a_scale, uint8_t* ring, uint8_t* b, float* tile, int first_step = 0,
+                             int end_step = -1, float* slice_out = nullptr) {
+  const int steps = end_step < 0 ? p.k_bytes / kStepRowBytes : end_step;
   const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
   const uint32_t sbo16 = s.sbo >> 4;
-  float acc[kBlocks][4];
+  float acc[kBlocks][4], total[kBlocks][4];
   zero(acc);
+  zero(total);
 
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, warp_rows, p.k_bytes, i, steps);
+  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, warp_rows, p.k_bytes, first_step + i, steps);
   if (first_pass) a_scale = a_scale_of(p);
   StepRegs regs;
-  for (int step = 0; step < steps; ++step) {
+  for (int step = first_step; step < steps; ++step) {
     __syncwarp();  // every lane has read the slot this copy refills (step - 1's)
     copy_step(ring_addr, warp_rows, p.k_bytes, step + kStages - 1, steps);
     asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1) : "memory");  // this step's copies landed
     __syncwarp();  // ... those of every lane of the warp
     read_step(regs, ring, step);
     const int local = step % s.chunk_steps;
-    if (local == 0) {
+    if (local == 0 || step == first_step) {
       __syncthreads();  // the previous chunk's wgmmas (all warps) are done with B
-      stage_b<kGather, kFresh>(p, s, step / s.chunk_steps, a_scale, b);
+      stage_b<kGather>(p, s, step / s.chunk_steps, a_scale, b);
       __syncthreads();
     }
     mma_step_fenced<T, kBlocks>(regs, desc0, sbo16, local, acc);
+    if ((step + 1) % kSliceSteps == 0 || step + 1 == steps) {  // a slice ends
+      if constexpr (kBlocks == 1) {
+        if (slice_out) write_slice(acc, slice_out + (step / kSliceSteps) * kTileM);
+      }
+      add_into(total, acc);  // unused with slice_out (no branch: the loop is not duplicated)
+      zero(acc);
+    }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 
   __syncthreads();  // the previous pass's epilogue is done with the tile
-  accumulators_to_tile<kBlocks>(acc, tile);
+  if (!slice_out) accumulators_to_tile<kBlocks>(total, tile);
   __syncthreads();
 }
 

@@ -9,8 +9,14 @@
 //   2. items (local route, 64 rows of w2): y[l] = round(alpha2 * h[l] @ w2[e].T);
 //   3. out[t] = sum over the token's routes, in route order, of scale * y (float32, one rounding).
 // The numbers are those of moe_gemm1_swiglu -> moe_gemm2 -> moe_finalize on the decode kernel:
-// the same wgmma sequence per 64 weight rows, the same roundings, the same fp8 scales (dynamic
-// ones from the amax over all of x, then over all of h).
+// the same wgmma sequence per 64 weight rows, the same K slices summed in the same order, the same
+// roundings, the same fp8 scales (dynamic ones from the amax over all of x, then over all of h).
+//
+// A phase with few items (an EP shard's one local expert: GEMM1 64 items, GEMM2 112, for 264 CTAs)
+// runs at the speed of its CTAs' streams, not the memory's: there each item's K slices are spread
+// over `share` CTAs, which write their slices' sums to the workspace. Phase 1's are summed (in
+// slice order) and SwiGLU'd after an extra grid barrier; phase 2's by the finalize. The host
+// launches the instantiation that can do this only where the expected routes call for it.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -45,6 +51,9 @@ struct LayerParams {
   const float* limits = nullptr;    // SwiGLUStep: [E_local]
   uint8_t* h = nullptr;             // [routes, I] (16-bit), local routes packed
   uint8_t* y = nullptr;             // [routes, hidden] (16-bit), local routes packed
+  float* slice_sums = nullptr;      // a spread phase's [item][slice][64 rows]
+  float* alphas = nullptr;          // ... and its items' scales
+  int split_items = 0;              // the most items a phase may spread
   uint8_t* out = nullptr;           // [tokens, hidden]
 };
 
@@ -80,65 +89,181 @@ __device__ void find_routes(const LayerParams& p, LayerRoutes& r) {
   __syncthreads();
 }
 
-// Phase 1 (kSwiGLU) or 2: this CTA's items, (local route, 64 weight rows) each, one pass over the
-// 64 rows' K with the route's single B row.
-template <class T, bool kSwiGLU>
-__device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, uint8_t* ring, uint8_t* b, float* tile) {
+// How a phase runs its items (local route, 64 weight rows): `share` CTAs per item, each taking a
+// contiguous run of the item's K slices, when the items would leave half the grid idle or more.
+// Every CTA computes the same (from the route count and the grid).
+struct Spread {
+  int tiles;   // items per route
+  int items;
+  int slices;  // K slices per item
+  int share;
+};
+
+__device__ Spread unspread(const LayerParams& p, const LayerRoutes& r, bool gemm1) {
+  Spread sp;
+  sp.tiles = (gemm1 ? 2 * p.inter : p.hidden) / kTileM;
+  sp.items = r.count * sp.tiles;
+  sp.slices = ((gemm1 ? p.hidden : p.inter) * p.w_bytes / kStepRowBytes + kSliceSteps - 1) / kSliceSteps;
+  sp.share = 1;
+  return sp;
+}
+
+__device__ Spread spread_of(const LayerParams& p, const LayerRoutes& r, bool gemm1) {
+  Spread sp = unspread(p, r, gemm1);
+  const int grid = static_cast<int>(gridDim.x);
+  if (sp.items > 0 && sp.items <= p.split_items && 2 * sp.items <= grid) sp.share = min(sp.slices, grid / sp.items);
+  return sp;
+}
+
+// kWidth consecutive weight rows' slice sums from src (item's slice 0 + row), each added in slice
+// order from 0 (pass_product's order); kBatch slices' loads in flight together, not one round trip
+// to L2 per slice.
+template <int kWidth>
+__device__ __forceinline__ void add_slices(const float* src, int slices, float (&total)[kWidth]) {
+  static_assert(kWidth % 4 == 0, "16-byte loads");
+  constexpr int kBatch = 4;
+#pragma unroll
+  for (int q = 0; q < kWidth; ++q) total[q] = 0.0f;
+#pragma unroll 1
+  for (int s0 = 0; s0 < slices; s0 += kBatch) {
+    float4 v[kBatch][kWidth / 4];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+      for (int c = 0; c < kWidth / 4; ++c)
+        v[u][c] = s0 + u < slices ? __ldcg(reinterpret_cast<const float4*>(src + (s0 + u) * kTileM) + c)
+                                  : make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (s0 + u >= slices) break;
+#pragma unroll
+      for (int c = 0; c < kWidth / 4; ++c) {
+        total[4 * c] = __fadd_rn(total[4 * c], v[u][c].x);
+        total[4 * c + 1] = __fadd_rn(total[4 * c + 1], v[u][c].y);
+        total[4 * c + 2] = __fadd_rn(total[4 * c + 2], v[u][c].z);
+        total[4 * c + 3] = __fadd_rn(total[4 * c + 3], v[u][c].w);
+      }
+    }
+  }
+}
+
+// Item `item`'s slice sums, summed, into tile column 0 (rows 0-63: 4 per thread of 16).
+__device__ void sum_slices(const LayerParams& p, const Spread& sp, int item, float* tile) {
+  if (threadIdx.x < kTileM / 4) {
+    float total[4];
+    add_slices<4>(p.slice_sums + int64_t(item) * sp.slices * kTileM + 4 * threadIdx.x, sp.slices, total);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) tile[(4 * threadIdx.x + q) * kTilePitch] = total[q];
+  }
+  __syncthreads();
+}
+
+// h's 32 values of (route l, m_tile) from tile column 0: weight rows 0-31 up, 32-63 gate
+// (interleaved at 32), each rounded after the scale, then SwiGLU(Step).
+template <class T>
+__device__ void store_h(const LayerParams& lp, int l, int m_tile, int e, float alpha, const float* tile) {
   using Out = DecodeMma<T>;
+  const float limit = lp.limits ? lp.limits[e] : 0.0f;
+  if (threadIdx.x < 16) {
+    const int j = 2 * threadIdx.x;
+    float v[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float up = Out::round(alpha * tile[(j + c) * kTilePitch]);
+      const float gate = Out::round(alpha * tile[(32 + j + c) * kTilePitch]);
+      v[c] = swiglu_value(up, gate, lp.limits != nullptr, limit);
+    }
+    Out::store2(lp.h + (int64_t(l) * lp.inter + m_tile * 32 + j) * 2, v[0], v[1]);
+  }
+}
+
+// Phase 1 (gemm1) or 2: this CTA's items, (local route, 64 weight rows) each, one pass over the
+// 64 rows' K with the route's single B row; or, spread, its parts of items (slice sums out).
+// gemm1 is a runtime flag so that the spreading kernel can run both phases through one inlined
+// pass (its code size: benchmarks/NOTES.md, sessions 13 and 21); the plain one passes constants.
+template <class T>
+__device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, const Spread& sp, bool gemm1, uint8_t* ring,
+                           uint8_t* b, float* tile) {
   DecodeParams p;
-  p.n = kSwiGLU ? 2 * lp.inter : lp.hidden;
-  p.k_bytes = (kSwiGLU ? lp.hidden : lp.inter) * lp.w_bytes;
-  p.w = kSwiGLU ? lp.w1 : lp.w2;
+  p.n = gemm1 ? 2 * lp.inter : lp.hidden;
+  p.k_bytes = (gemm1 ? lp.hidden : lp.inter) * lp.w_bytes;
+  p.w = gemm1 ? lp.w1 : lp.w2;
   p.quantize_a = lp.w_bytes == 1;  // fp8 weights take 16-bit activations quantized on the way in
-  p.a = kSwiGLU ? lp.x : lp.h;
-  p.a_scale = kSwiGLU ? lp.x_scale : lp.fc2_scale;
-  p.a_elements = int64_t(kSwiGLU ? lp.tokens : r.count) * (kSwiGLU ? lp.hidden : lp.inter);
-  p.w_scale = kSwiGLU ? lp.w1_scale : lp.w2_scale;
-  const int tiles = p.n / kTileM;
-  const int items = r.count * tiles;
+  p.a = gemm1 ? lp.x : lp.h;
+  p.a_scale = gemm1 ? lp.x_scale : lp.fc2_scale;
+  p.a_elements = int64_t(gemm1 ? lp.tokens : r.count) * (gemm1 ? lp.hidden : lp.inter);
+  p.w_scale = gemm1 ? lp.w1_scale : lp.w2_scale;
+  p.fresh_a = !gemm1;  // h was written in this kernel
+  const int steps = p.k_bytes / kStepRowBytes;
   float a_scale = 1.0f;
   bool first = true;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int l = item / tiles, m_tile = item % tiles;
+  for (int unit = blockIdx.x; unit < sp.items * sp.share; unit += gridDim.x) {
+    const int item = unit / sp.share, part = unit % sp.share;
+    const int l = item / sp.tiles, m_tile = item % sp.tiles;
     const int e = r.expert[l];
-    const int64_t a_row = kSwiGLU ? r.index[l] / lp.top_k : l;
+    const int64_t a_row = gemm1 ? r.index[l] / lp.top_k : l;
     const Pass s = make_pass(p, a_row, a_row + 1);
     const uint8_t* warp_rows = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * (threadIdx.x / 32)) * p.k_bytes;
-    // Phase 2's B rows (h) were written in this kernel: loaded through L2.
-    pass_product<T, false, 1, !kSwiGLU>(p, s, warp_rows, first, a_scale, ring, b, tile);
+    // A spread item's part: its run of slices, their sums out.
+    const bool spread = sp.share > 1;
+    const int first_slice = part * sp.slices / sp.share, end_slice = (part + 1) * sp.slices / sp.share;
+    pass_product<T, false, 1>(p, s, warp_rows, first, a_scale, ring, b, tile, spread ? first_slice * kSliceSteps : 0,
+                              spread ? min(end_slice * kSliceSteps, steps) : steps,
+                              spread ? lp.slice_sums + int64_t(item) * sp.slices * kTileM : nullptr);
     first = false;
     const float alpha = a_scale * (p.w_scale ? p.w_scale[e] : 1.0f);
-    if constexpr (kSwiGLU) {
-      // tile column 0 is the route's row: weight rows 0-31 up, 32-63 gate (interleaved at 32).
-      const float limit = lp.limits ? lp.limits[e] : 0.0f;
-      if (threadIdx.x < 16) {
-        const int j = 2 * threadIdx.x;
-        float v[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float up = Out::round(alpha * tile[(j + c) * kTilePitch]);
-          const float gate = Out::round(alpha * tile[(32 + j + c) * kTilePitch]);
-          v[c] = swiglu_value(up, gate, lp.limits != nullptr, limit);
-        }
-        Out::store2(lp.h + (int64_t(l) * lp.inter + m_tile * 32 + j) * 2, v[0], v[1]);
-      }
+    if (spread) {
+      if (part == 0 && threadIdx.x == 0) lp.alphas[item] = alpha;
+    } else if (gemm1) {
+      store_h<T>(lp, l, m_tile, e, alpha, tile);  // tile column 0 is the route's row
     } else if (threadIdx.x < 32) {
       const int j = 2 * threadIdx.x;
-      Out::store2(lp.y + (int64_t(l) * lp.hidden + m_tile * kTileM + j) * 2, alpha * tile[j * kTilePitch],
-                  alpha * tile[(j + 1) * kTilePitch]);
+      DecodeMma<T>::store2(lp.y + (int64_t(l) * lp.hidden + m_tile * kTileM + j) * 2, alpha * tile[j * kTilePitch],
+                           alpha * tile[(j + 1) * kTilePitch]);
     }
+  }
+}
+
+// After a spread phase 1 and a grid barrier: each item's slices summed, then h as layer_gemm stores it.
+template <class T>
+__device__ void layer_h_from_slices(const LayerParams& lp, const LayerRoutes& r, const Spread& sp, float* tile) {
+  for (int item = blockIdx.x; item < sp.items; item += gridDim.x) {
+    const int l = item / sp.tiles, m_tile = item % sp.tiles;
+    sum_slices(lp, sp, item, tile);
+    store_h<T>(lp, l, m_tile, r.expert[l], __ldcg(lp.alphas + item), tile);
+    __syncthreads();  // the tile is read before the next item's sums overwrite it
   }
 }
 
 // Phase 3: out[t] = sum_j scales[t, j] * y[local_of[t * top_k + j]] over the kept routes, float32
 // in route order, one rounding (moe_finalize's numbers). 8 columns per thread.
+// A spread phase 2 left slice sums instead of y: y's 8 values of the route are
+// round(alpha * (the slices summed in order)), what layer_gemm stores.
 template <class T>
-__device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
+__device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r, const Spread& sp) {
   using Out = DecodeMma<T>;
   const int vecs = p.hidden / 8;
   for (int i = blockIdx.x * kThreads + threadIdx.x; i < p.tokens * vecs; i += gridDim.x * kThreads) {
     const int t = i / vecs, v = i % vecs;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (sp.share > 1) {  // the route loop kept rolled: code size costs every launch
+#pragma unroll 1
+      for (int j = 0; j < p.top_k; ++j) {
+        const int route = t * p.top_k + j;
+        const int l = r.local_of[route];
+        if (l < 0) continue;  // dropped: no term
+        const int item = l * sp.tiles + 8 * v / kTileM;
+        const float alpha = __ldcg(p.alphas + item), scale = p.scales[route];
+        float total[8];
+        add_slices<8>(p.slice_sums + int64_t(item) * sp.slices * kTileM + 8 * v % kTileM, sp.slices, total);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(scale, Out::round(alpha * total[q])));
+      }
+      uint8_t* dst = p.out + (int64_t(t) * p.hidden + 8 * v) * 2;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) Out::store2(dst + 4 * q, acc[2 * q], acc[2 * q + 1]);
+      continue;
+    }
     // kBatch routes' loads issued together, then summed in route order: one L2 round trip per
     // batch, not per route (the sum, and so the bits, as before).
     constexpr int kBatch = 8;
@@ -171,7 +296,11 @@ __device__ void layer_finalize(const LayerParams& p, const LayerRoutes& r) {
   }
 }
 
-template <class T>
+// kSpread: the instantiation that may spread a phase (launched when the expected routes leave
+// half the grid idle in a phase: launch_layer). It runs both GEMM phases through one inlined pass;
+// the other instantiation has none of the spread code and a pass per phase, specialized: the
+// spread code alone cost 1-3 us at T=1 where it never ran (benchmarks/NOTES.md, session 21).
+template <class T, bool kSpread>
 __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* ring = smem;
@@ -182,27 +311,63 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerPara
   pdl_launch_dependents();
   find_routes(p, routes);
   auto grid = cooperative_groups::this_grid();
-  layer_gemm<T, true>(p, routes, ring, b, tile);
-  grid.sync();  // h complete (and its amax final) before any GEMM2 B row is staged
-  layer_gemm<T, false>(p, routes, ring, b, tile);
-  grid.sync();
-  layer_finalize<T>(p, routes);
+  if constexpr (kSpread) {
+    Spread sp;
+#pragma unroll 1
+    for (int phase = 1; phase <= 2; ++phase) {
+      sp = spread_of(p, routes, phase == 1);
+      layer_gemm<T>(p, routes, sp, phase == 1, ring, b, tile);
+      if (phase == 1 && sp.share > 1) {
+        grid.sync();  // every slice summed
+        layer_h_from_slices<T>(p, routes, sp, tile);
+      }
+      grid.sync();  // phase 1: h complete (and its amax final) before any GEMM2 B row is staged
+    }
+    layer_finalize<T>(p, routes, sp);  // phase 2's spread
+  } else {
+    layer_gemm<T>(p, routes, unspread(p, routes, true), true, ring, b, tile);
+    grid.sync();  // h complete (and its amax final) before any GEMM2 B row is staged
+    const Spread sp = unspread(p, routes, false);
+    layer_gemm<T>(p, routes, sp, false, ring, b, tile);
+    grid.sync();
+    layer_finalize<T>(p, routes, sp);
+  }
+}
+
+// Whether a phase of `expected` kept routes (items of 64 weight rows, K slices) would be spread.
+bool phase_spreads(int64_t expected, int64_t n, int64_t k_bytes, int64_t ctas, int64_t split_items) {
+  const int64_t items = expected * (n / kTileM);
+  const int64_t slices = (k_bytes / kStepRowBytes + kSliceSteps - 1) / kSliceSteps;
+  return slices > 1 && items > 0 && items <= split_items && 2 * items <= ctas;
 }
 
 template <class T>
-void launch_layer(const LayerParams& p, cudaStream_t stream, bool pdl) {
-  auto kernel = moe_decode_layer_kernel<T>;
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmemBytes);
+void launch_layer(const LayerParams& p, int64_t expected_routes, cudaStream_t stream, bool pdl) {
+  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_layer_kernel<T, false>), kSmemBytes);
+  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_layer_kernel<T, true>), kSmemBytes);
   int device = 0, sms = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmemBytes));
+  // Both instantiations use the same shared memory per CTA (2 CTAs per SM), the spreading one a few
+  // more registers: the grid is the smaller of their residencies.
+  int per_sm_spread = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_decode_layer_kernel<T, false>, kThreads,
+                                                               kSmemBytes));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_spread, moe_decode_layer_kernel<T, true>,
+                                                               kThreads, kSmemBytes));
+  per_sm = std::min(per_sm, per_sm_spread);
   TORCH_CHECK(per_sm >= 1, "cake::moe_forward_out: the layer kernel does not fit on an SM (internal error)");
   // As many CTAs as are resident at once (the grid barriers need them all), fewer if the largest
   // phase has fewer items.
   const int64_t routes = int64_t(p.tokens) * p.top_k;  // an upper bound on the kept routes
   const int64_t items = routes * std::max(2 * p.inter, p.hidden) / kTileM;
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * per_sm, items)));
+  // The spreading instantiation where the routes this shard expects (all of them without a hint)
+  // would leave half the grid idle in a phase.
+  const int64_t expected = expected_routes >= 0 ? std::min(expected_routes, routes) : routes;
+  const bool spread = phase_spreads(expected, 2 * p.inter, int64_t(p.hidden) * p.w_bytes, ctas, p.split_items) ||
+                      phase_spreads(expected, p.hidden, int64_t(p.inter) * p.w_bytes, ctas, p.split_items);
+  auto kernel = spread ? moe_decode_layer_kernel<T, true> : moe_decode_layer_kernel<T, false>;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(ctas);
   config.blockDim = dim3(kThreads);
@@ -247,14 +412,17 @@ void moe_decode_layer(const MoeDecodeLayerArgs& a, MoeDecodeElement element, cud
   p.limits = a.limits;
   p.h = static_cast<uint8_t*>(a.h);
   p.y = static_cast<uint8_t*>(a.y);
+  p.slice_sums = a.slice_sums;
+  p.alphas = a.alphas;
+  p.split_items = a.split_items;
   p.out = static_cast<uint8_t*>(a.out);
   switch (element) {
     case MoeDecodeElement::kBFloat16:
-      return launch_layer<__nv_bfloat16>(p, stream, pdl);
+      return launch_layer<__nv_bfloat16>(p, a.expected_routes, stream, pdl);
     case MoeDecodeElement::kHalf:
-      return launch_layer<__half>(p, stream, pdl);
+      return launch_layer<__half>(p, a.expected_routes, stream, pdl);
     case MoeDecodeElement::kE4m3:
-      return launch_layer<E4m3>(p, stream, pdl);
+      return launch_layer<E4m3>(p, a.expected_routes, stream, pdl);
   }
 }
 

@@ -85,6 +85,8 @@ void fp8_quantize(const void* x, FloatType type, int64_t n, const float* scale, 
 // zeroed. GEMM2: a = [rows, K], out [rows, n], rows past the last expert unwritten. Output
 // bfloat16 (float16 for float16 inputs); fp8: the product scaled by a_scale * w_scale[e] first.
 constexpr int64_t kMoeDecodeStepBytes = 256;
+// K is summed in slices of this many bytes of each weight row, in slice order (moe_decode.cuh).
+constexpr int64_t kMoeDecodeSliceBytes = 2048;
 // A dynamic scale for bfloat16 a is each CTA's own amax over all of a: up to this many elements.
 constexpr int64_t kMoeDecodeMaxAmaxElements = int64_t(1) << 15;
 enum class MoeDecodeElement { kBFloat16, kHalf, kE4m3 };
@@ -114,7 +116,9 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
 // A whole MoE layer for a decode batch in one cooperative launch (moe_decode_layer_sm90.cu): every
 // kept route of x's tokens through GEMM1 + SwiGLU(Step) into h, GEMM2 into y, then out [tokens,
 // hidden] = the fixed-order float32 combine: the numbers of moe_gemm1_swiglu -> moe_gemm2 ->
-// moe_finalize. h [routes, I] and y [routes, hidden] (16-bit) are caller-owned scratch.
+// moe_finalize. h [routes, I] and y [routes, hidden] (16-bit) are caller-owned scratch, and so
+// are the slice sums of a phase whose items are few enough to spread over idle CTAs (at most
+// split_items items, split_items * max_slices * 64 floats, and a float per item).
 constexpr int64_t kMoeDecodeLayerMaxRoutes = 64;
 struct MoeDecodeLayerArgs {
   const void* x = nullptr;  // [tokens, hidden] 16-bit (bfloat16 for e4m3 weights: quantized on the way in)
@@ -135,6 +139,10 @@ struct MoeDecodeLayerArgs {
   const float* limits = nullptr;     // SwiGLUStep: [E_local]
   void* h = nullptr;
   void* y = nullptr;
+  float* slice_sums = nullptr;
+  float* alphas = nullptr;
+  int split_items = 0;
+  int64_t expected_routes = -1;  // the shard's expected kept routes (-1: all of T * top_k)
   void* out = nullptr;
 };
 // Whether the layer kernel takes this shape: routes <= kMoeDecodeLayerMaxRoutes, both GEMMs fit the

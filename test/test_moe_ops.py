@@ -781,6 +781,7 @@ class TestMoeForwardErrors(OpErrorCase):
         self.assertExpectedInline(self.error(x, ids, scales, w1.half(), w2.half(), 0, out, ws), """cake::moe_forward_out: w1 must have x's dtype BFloat16 (or be float8_e4m3fn with bfloat16 x), got Half""")
         self.assertExpectedInline(self.error(x, ids, scales, w1, w2, 0, out[:2], ws), """cake::moe_forward_out: out must have shape [num_tokens, hidden] = [3, 512], got [2, 512]""")
         self.assertExpectedInline(self.error(x, ids, scales, w1, w2, 0, out, torch.empty(8, dtype=torch.uint8)), """cake::moe_forward_out: workspace must be a contiguous uint8 tensor of 0 or at least 84992 bytes on cpu, got Byte [8] on cpu""")
+        self.assertExpectedInline(self.error(x, ids, scales, w1, w2, 0, out, ws, expected_routes=-2), """cake::moe_forward_out: expected_routes must be -1 (every row) or a route count >= 0, got -2""")
         w1q, w1s = quantize_per_expert(w1)
         w2q, _ = quantize_per_expert(w2)
         self.assertExpectedInline(self.error(x, ids, scales, w1q, w2q, 0, out, ws), """cake::moe_forward_out: float8_e4m3fn w1 needs its scales (one per local expert)""")

@@ -17,7 +17,8 @@ output-dtype rounding per route, not bitwise reproducible); ``use_fused_finalize
 decode kernel and the swap-AB tiles combine in float32 in a fixed order (``moe_finalize``). The
 gather is not yet fused into GEMM1's mainloop. A decode token (``LAYER_MAX_TOKENS``: T=1, shapes
 :func:`layer_fits` takes, no buffer or tile override) runs the whole layer as one launch
-(``moe_forward_out``: GEMM1 + SwiGLU, GEMM2 and the fixed-order combine, with grid barriers).
+(``moe_forward_out``: GEMM1 + SwiGLU, GEMM2 and the fixed-order combine, with grid barriers; given
+the shard's expected routes, it spreads a phase with few items over the idle CTAs).
 
 Tiles: the tile / cluster / raster overrides, checked by the specification's rules, pick the
 grouped GEMM configuration of each GEMM (:func:`override_tactic`; a combination this build has no

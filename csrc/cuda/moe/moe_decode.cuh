@@ -469,7 +469,7 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
       if constexpr (kBlocks == 1) {
         if (slice_out) write_slice(acc, slice_out + (step / kSliceSteps) * kTileM);
       }
-      add_into(total, acc);  // unused with slice_out (no branch: the loop is not duplicated)
+      add_into(total, acc);  // (unused with slice_out)
       zero(acc);
     }
   }

@@ -22,6 +22,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 
 #include <c10/cuda/CUDAException.h>
 
@@ -89,9 +91,18 @@ __device__ void find_routes(const LayerParams& p, LayerRoutes& r) {
   __syncthreads();
 }
 
-// How a phase runs its items (local route, 64 weight rows): `share` CTAs per item, each taking a
-// contiguous run of the item's K slices, when the items would leave half the grid idle or more.
-// Every CTA computes the same (from the route count and the grid).
+// K slices of a weight row of k_bytes.
+__host__ __device__ inline int k_slices(int k_bytes) { return (k_bytes / kStepRowBytes + kSliceSteps - 1) / kSliceSteps; }
+
+// CTAs per item of a phase: several, each taking a contiguous run of the item's K slices, when the
+// items would leave half the grid idle or more. The host asks it of the expected routes (which
+// instantiation to launch), every CTA of the kept ones (the same answer in all of them).
+__host__ __device__ inline int spread_share(int items, int slices, int grid, int split_items) {
+  if (items <= 0 || items > split_items || 2 * items > grid) return 1;
+  return slices < grid / items ? slices : grid / items;
+}
+
+// How a phase runs its items (local route, 64 weight rows).
 struct Spread {
   int tiles;   // items per route
   int items;
@@ -103,15 +114,14 @@ __device__ Spread unspread(const LayerParams& p, const LayerRoutes& r, bool gemm
   Spread sp;
   sp.tiles = (gemm1 ? 2 * p.inter : p.hidden) / kTileM;
   sp.items = r.count * sp.tiles;
-  sp.slices = ((gemm1 ? p.hidden : p.inter) * p.w_bytes / kStepRowBytes + kSliceSteps - 1) / kSliceSteps;
+  sp.slices = k_slices((gemm1 ? p.hidden : p.inter) * p.w_bytes);
   sp.share = 1;
   return sp;
 }
 
 __device__ Spread spread_of(const LayerParams& p, const LayerRoutes& r, bool gemm1) {
   Spread sp = unspread(p, r, gemm1);
-  const int grid = static_cast<int>(gridDim.x);
-  if (sp.items > 0 && sp.items <= p.split_items && 2 * sp.items <= grid) sp.share = min(sp.slices, grid / sp.items);
+  sp.share = spread_share(sp.items, sp.slices, static_cast<int>(gridDim.x), p.split_items);
   return sp;
 }
 
@@ -334,28 +344,31 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerPara
   }
 }
 
-// Whether a phase of `expected` kept routes (items of 64 weight rows, K slices) would be spread.
-bool phase_spreads(int64_t expected, int64_t n, int64_t k_bytes, int64_t ctas, int64_t split_items) {
-  const int64_t items = expected * (n / kTileM);
-  const int64_t slices = (k_bytes / kStepRowBytes + kSliceSteps - 1) / kSliceSteps;
-  return slices > 1 && items > 0 && items <= split_items && 2 * items <= ctas;
+// Layer-kernel CTAs resident per SM on `device`: the smaller of the two instantiations' (the same
+// shared memory, the spreading one a few more registers), asked of the driver once per device and
+// kept (a decode step launches this kernel every token).
+template <class T>
+int layer_ctas_per_sm(int device) {
+  static std::mutex mutex;
+  static std::map<int, int> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find(device); it != known.end()) return it->second;
+  int plain = 0, spreading = 0;
+  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_layer_kernel<T, false>), kSmemBytes);
+  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_layer_kernel<T, true>), kSmemBytes);
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain, moe_decode_layer_kernel<T, false>, kThreads,
+                                                               kSmemBytes));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&spreading, moe_decode_layer_kernel<T, true>, kThreads,
+                                                               kSmemBytes));
+  return known[device] = std::min(plain, spreading);
 }
 
 template <class T>
 void launch_layer(const LayerParams& p, int64_t expected_routes, cudaStream_t stream, bool pdl) {
-  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_layer_kernel<T, false>), kSmemBytes);
-  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_layer_kernel<T, true>), kSmemBytes);
-  int device = 0, sms = 0, per_sm = 0;
+  int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  // Both instantiations use the same shared memory per CTA (2 CTAs per SM), the spreading one a few
-  // more registers: the grid is the smaller of their residencies.
-  int per_sm_spread = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_decode_layer_kernel<T, false>, kThreads,
-                                                               kSmemBytes));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_spread, moe_decode_layer_kernel<T, true>,
-                                                               kThreads, kSmemBytes));
-  per_sm = std::min(per_sm, per_sm_spread);
+  const int per_sm = layer_ctas_per_sm<T>(device);
   TORCH_CHECK(per_sm >= 1, "cake::moe_forward_out: the layer kernel does not fit on an SM (internal error)");
   // As many CTAs as are resident at once (the grid barriers need them all), fewer if the largest
   // phase has fewer items.
@@ -365,8 +378,12 @@ void launch_layer(const LayerParams& p, int64_t expected_routes, cudaStream_t st
   // The spreading instantiation where the routes this shard expects (all of them without a hint)
   // would leave half the grid idle in a phase.
   const int64_t expected = expected_routes >= 0 ? std::min(expected_routes, routes) : routes;
-  const bool spread = phase_spreads(expected, 2 * p.inter, int64_t(p.hidden) * p.w_bytes, ctas, p.split_items) ||
-                      phase_spreads(expected, p.hidden, int64_t(p.inter) * p.w_bytes, ctas, p.split_items);
+  // (int: at most kMoeDecodeLayerMaxRoutes routes of at most INT_MAX / 64 weight rows; K bytes fit
+  // the decode kernel's int.)
+  const auto spreads = [&](int n, int k) {
+    return spread_share(static_cast<int>(expected) * (n / kTileM), k_slices(k * p.w_bytes), ctas, p.split_items) > 1;
+  };
+  const bool spread = spreads(2 * p.inter, p.hidden) || spreads(p.hidden, p.inter);
   auto kernel = spread ? moe_decode_layer_kernel<T, true> : moe_decode_layer_kernel<T, false>;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(ctas);

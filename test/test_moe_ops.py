@@ -168,11 +168,11 @@ SWIGLU_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_64x256x64_c1x1", "pi
                                                                 "coop_128x256x128_c2x1"])}
 
 
-def ragged_gemm1_problem(dtype, limits):
+def ragged_gemm1_problem(dtype, limits, hidden=256):
     """Routes already sorted by expert: 6 local experts with 0, 1, 130, 7, 300 (hot) and 45 rows, 117 of the
-    600 routes dropped (an EP shard: the rows past the last expert's end); hidden 256, I = 192 (2I = 384 is
-    not a multiple of a 256-column tile)."""
-    t, k, hidden, inter = 300, 2, 256, 192
+    600 routes dropped (an EP shard: the rows past the last expert's end); hidden 256 (or any multiple of 16
+    bytes), I = 192 (2I = 384 is not a multiple of a 256-column tile)."""
+    t, k, inter = 300, 2, 192
     counts = [0, 1, 130, 7, 300, 45]
     kept = sum(counts)
     x = torch.randn(t, hidden).to(dtype if dtype != torch.float8_e4m3fn else torch.bfloat16)
@@ -190,13 +190,16 @@ def ragged_gemm1_problem(dtype, limits):
 
 @cuda_only
 @pytest.mark.parametrize("limits", [False, True], ids=["swiglu", "swiglu_step"])
-@pytest.mark.parametrize("dtype", list(SWIGLU_TWINS), ids=["bf16", "f16", "e4m3"])
-def test_gemm1_swiglu_in_the_gemm_epilogue(dtype, limits):
+@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 256), (torch.float16, 256), (torch.float8_e4m3fn, 256),
+                                          (torch.bfloat16, 200), (torch.float16, 200)],
+                         ids=["bf16", "f16", "e4m3", "bf16_hidden200", "f16_hidden200"])
+def test_gemm1_swiglu_in_the_gemm_epilogue(dtype, hidden, limits):
     """Each tile with a SwiGLU twin, forced: SwiGLU(Step) in the grouped GEMM's epilogue against the same tile's
     fwd GEMM (h rounded as it is stored) then the activation in float32 (16-bit families), and against the CPU
-    op; empty, one-row, non-tile-multiple and hot groups; zero rows past the last expert's end."""
+    op; empty, one-row, non-tile-multiple and hot groups; zero rows past the last expert's end. Hidden 200:
+    the last K block is partial (the TMA zero-fills the columns past K)."""
     family, prefix, tiles = SWIGLU_TWINS[dtype]
-    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(dtype, limits)
+    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(dtype, limits, hidden)
     want_cpu = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, lim, -1, *scales)
     cuda = [v.cuda() for v in (x, w1, p2e, offsets)]
     lim_cuda = lim.cuda() if limits else None

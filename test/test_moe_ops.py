@@ -39,9 +39,12 @@ def sort_reference(ids, num_experts, num_local, offset, tile):
 
 
 # Larger than one warp's segment, and many experts (fewer sorting warps fit in shared memory).
-# qwen3_t1024: two blocks (E=128).
+# On CUDA: qwen3_t1024 two blocks (E=128), qwen3_t16384 32, many_experts 10 (one cooperative launch);
+# past_one_grid 157 one-warp chunks of 16384 experts, more than an H200 holds at once (132): the
+# count, scan and place kernels.
 SORT_CASES = dict(ROUTING_CASES, kimi_ep8_shard=(4096, 8, 384, 48, 96), many_experts=(3000, 4, 4096, 4096, 0),
-                  all_dropped=(50, 4, 64, 8, 56), qwen3_t1024=(1024, 8, 128, 128, 0))
+                  all_dropped=(50, 4, 64, 8, 56), qwen3_t1024=(1024, 8, 128, 128, 0),
+                  qwen3_t16384=(16384, 8, 128, 128, 0), past_one_grid=(5000, 4, 16384, 16384, 0))
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
 
@@ -62,6 +65,23 @@ def test_moe_sort_matches_contract(device, name, tile):
     out = torch.ops.cake.moe_sort(ids.to(device), e, e_local, offset, tile)
     for got, want in zip(out, sort_reference(ids, e, e_local, offset, tile)):
         assert got.device.type == device and torch.equal(got.cpu(), want)
+
+
+@cuda_only
+def test_multi_block_sort_replays_in_a_cuda_graph():
+    """16384 routes over 128 experts: four blocks (one cooperative launch on an H200), captured once
+    and replayed on new ids."""
+    t, k, e = 2048, 8, 128
+    ids = torch.randint(0, e, (t, k), dtype=torch.int32, device="cuda")
+    torch.ops.cake.moe_sort(ids, e, e, 0, 128)  # warm up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = torch.ops.cake.moe_sort(ids, e, e, 0, 128)
+    for _ in range(2):
+        ids.copy_(torch.randint(0, e, (t, k), dtype=torch.int32))
+        g.replay()
+        for got, want in zip(out, sort_reference(ids.cpu(), e, e, 0, 128)):
+            assert torch.equal(got.cpu(), want)
 
 
 def run_pipeline(x, ids, scales, w1_interleaved, w2, num_experts, num_local, offset, pdl=True):

@@ -40,22 +40,45 @@ inline void allow_dynamic_smem(const void* kernel, int bytes) {
   done.insert({kernel, device});
 }
 
-// kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-serialization attribute
-// when `pdl` (captured into CUDA graphs as a programmatic edge).
+namespace detail {
 template <class... Params, class... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   bool pdl, Args&&... args) {
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+            bool cooperative, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
+  cudaLaunchAttribute attributes[2];
+  unsigned count = 0;
+  if (cooperative) {
+    attributes[count].id = cudaLaunchAttributeCooperative;
+    attributes[count++].val.cooperative = 1;
+  }
+  if (pdl) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+}  // namespace detail
+
+// kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-serialization attribute
+// when `pdl` (captured into CUDA graphs as a programmatic edge).
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   bool pdl, Args&&... args) {
+  detail::launch(kernel, grid, block, smem, stream, pdl, false, std::forward<Args>(args)...);
+}
+
+// launch_kernel for a kernel with grid barriers (cooperative_groups::this_grid().sync()): a
+// cooperative launch, so every CTA of the grid is resident at once (the caller sizes the grid).
+template <class... Params, class... Args>
+void launch_cooperative_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                               bool pdl, Args&&... args) {
+  detail::launch(kernel, grid, block, smem, stream, pdl, true, std::forward<Args>(args)...);
 }
 
 }  // namespace cake

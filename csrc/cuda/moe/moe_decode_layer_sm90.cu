@@ -385,19 +385,7 @@ void launch_layer(const LayerParams& p, int64_t expected_routes, cudaStream_t st
   };
   const bool spread = spreads(2 * p.inter, p.hidden) || spreads(p.hidden, p.inter);
   auto kernel = spread ? moe_decode_layer_kernel<T, true> : moe_decode_layer_kernel<T, false>;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(ctas);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attributes[2];
-  attributes[0].id = cudaLaunchAttributeCooperative;
-  attributes[0].val.cooperative = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attributes;
-  config.numAttrs = pdl ? 2 : 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  launch_cooperative_kernel(kernel, dim3(ctas), dim3(kThreads), kSmemBytes, stream, pdl, p);
 }
 
 }  // namespace

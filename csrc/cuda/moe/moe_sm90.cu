@@ -12,7 +12,12 @@
 #include <cmath>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
+
+#include <cooperative_groups.h>
 
 #include <c10/util/Exception.h>
 
@@ -30,8 +35,9 @@ namespace {
 // counts each expert's routes per warp, a scan turns the counts into each (expert, warp) start,
 // pass 2 places every route at its start plus its rank among the earlier lanes of the same
 // expert. Rows of an expert keep expanded order, so the permutation is deterministic. Up to one
-// chunk of routes, one block does it all (one launch, decode); beyond, a count kernel, a scan
-// kernel and a place kernel spread the chunks over the GPU.
+// chunk of routes, one block does it all (one launch, decode); beyond, one cooperative launch of a
+// block per chunk (count, grid barrier, scan, place), or, past what the GPU holds at once, a count
+// kernel, a scan kernel and a place kernel.
 constexpr int kSortThreads = 1024;
 constexpr int kSortMaxWarps = kSortThreads / 32;
 constexpr int64_t kSortSmemBudget = 200 * 1024;
@@ -132,8 +138,8 @@ __device__ void count_chunk(const MoeSortArgs& a, int64_t begin, int64_t end, in
 }
 
 // Warp 0: counts, offsets and tile offsets from the experts' totals, which become each expert's
-// first row (starts[E] = the number of kept routes).
-__device__ void scan_experts(const MoeSortArgs& a, int32_t* starts) {
+// first row (starts[E] = the number of kept routes); `publish`: also write them to a's outputs.
+__device__ void scan_experts(const MoeSortArgs& a, int32_t* starts, bool publish = true) {
   const int E = a.num_local_experts;
   const int lane = threadIdx.x & 31;
   if (threadIdx.x < 32) {
@@ -152,17 +158,21 @@ __device__ void scan_experts(const MoeSortArgs& a, int32_t* starts) {
         }
       }
       if (e < E) {
-        a.counts[e] = count;
-        a.offsets[e + 1] = carry + incl;
-        a.tile_offsets[e + 1] = tile_carry + tile_incl;
+        if (publish) {
+          a.counts[e] = count;
+          a.offsets[e + 1] = carry + incl;
+          a.tile_offsets[e + 1] = tile_carry + tile_incl;
+        }
         starts[e] = carry + incl - count;
       }
       carry += __shfl_sync(0xffffffffu, incl, 31);
       tile_carry += __shfl_sync(0xffffffffu, tile_incl, 31);
     }
     if (lane == 0) {
-      a.offsets[0] = 0;
-      a.tile_offsets[0] = 0;
+      if (publish) {
+        a.offsets[0] = 0;
+        a.tile_offsets[0] = 0;
+      }
       starts[E] = carry;
     }
   }
@@ -272,6 +282,66 @@ __global__ void __launch_bounds__(kSortThreads) moe_sort_place_kernel(MoeSortArg
   __syncthreads();
   place_chunk(a, begin, end, warps, warp_base, starts);
   fill_tail(a, a.offsets[E]);
+}
+
+// The multi-block sort in one cooperative launch, a block per chunk: each block counts its chunk
+// (its warps' starts stay in shared memory) and publishes its per-expert totals to block_rows
+// [blocks][E]; after the grid barrier every block sums them into each expert's total (the scan:
+// block 0 writes counts and offsets) and its rows in the blocks before it, then places its chunk.
+// One launch and one count pass where the three kernels above take three launches and two.
+// Shared memory: sort_grid_smem_bytes.
+int sort_grid_warps(int64_t num_local) {
+  const int64_t warps = (kSortSmemBudget - 4 * (2 * num_local + 1)) / (4 * num_local);
+  return static_cast<int>(std::clamp<int64_t>(warps, 1, kSortMaxWarps));
+}
+
+size_t sort_grid_smem_bytes(int warps, int64_t num_local) {
+  return sizeof(int32_t) * (size_t(warps) * num_local + 2 * num_local + 1);
+}
+
+__global__ void __launch_bounds__(kSortThreads) moe_sort_grid_kernel(MoeSortArgs a, int warps, int64_t chunk,
+                                                                     int32_t* block_rows) {
+  extern __shared__ int32_t smem[];
+  pdl_wait();
+  pdl_launch_dependents();
+  const int E = a.num_local_experts;
+  int32_t* warp_base = smem;                // [warps][E]
+  int32_t* starts = warp_base + warps * E;  // [E + 1]
+  int32_t* before = starts + E + 1;         // [E]: the expert's rows in the blocks before this one
+  const int64_t begin = int64_t(blockIdx.x) * chunk;
+  const int64_t end = std::min(a.routes, begin + chunk);
+  count_chunk(a, begin, end, warps, warp_base, starts);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    block_rows[int64_t(blockIdx.x) * E + e] = starts[e];
+    starts[e] = 0;
+    before[e] = 0;
+  }
+  cooperative_groups::this_grid().sync();
+  // Every (block, expert) total, kUnroll loads in flight per thread.
+  constexpr int kUnroll = 4;
+  const int64_t n = int64_t(gridDim.x) * E;
+  for (int64_t i0 = threadIdx.x; i0 < n; i0 += kUnroll * blockDim.x) {
+    int32_t c[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = i0 + u * blockDim.x;
+      c[u] = i < n ? block_rows[i] : 0;  // not __ldg: written in this launch
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = i0 + u * blockDim.x;
+      if (i >= n || c[u] == 0) continue;
+      const int e = static_cast<int>(i % E);
+      atomicAdd(starts + e, c[u]);
+      if (i / E < blockIdx.x) atomicAdd(before + e, c[u]);
+    }
+  }
+  __syncthreads();
+  scan_experts(a, starts, blockIdx.x == 0);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) starts[e] += before[e];
+  __syncthreads();
+  place_chunk(a, begin, end, warps, warp_base, starts);
+  fill_tail(a, starts[E]);
 }
 
 // ---- gather -----------------------------------------------------------------------------------
@@ -821,9 +891,22 @@ namespace {
 void configure_sort_kernels() {
   for (const void* kernel :
        {(const void*)moe_sort_one_block_kernel, (const void*)moe_sort_count_kernel, (const void*)moe_sort_scan_kernel,
-        (const void*)moe_sort_place_kernel}) {
+        (const void*)moe_sort_place_kernel, (const void*)moe_sort_grid_kernel}) {
     allow_dynamic_smem(kernel, kSortSmemOptIn);
   }
+}
+
+// Grid-sort blocks of `smem` bytes resident at once on `device` (its grid barrier needs them all),
+// asked of the driver once per (device, size).
+int64_t sort_grid_capacity(int device, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, size_t>, int64_t> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = known.find({device, smem}); it != known.end()) return it->second;
+  int per_sm = 0, sms = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_sort_grid_kernel, kSortThreads, smem));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return known[{device, smem}] = int64_t(per_sm) * sms;
 }
 
 void check_sort_experts(const MoeSortArgs& a) {
@@ -850,10 +933,22 @@ void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bo
                   sort_smem_bytes(shape.sort_warps, a.num_local_experts), stream, pdl, a, shape.sort_warps);
     return;
   }
+  TORCH_CHECK(block_rows != nullptr, "cake::moe_sort: missing block workspace (internal error)");
+  // (Any chunk of whole steps fits the workspace: moe_routing_workspace_bytes counts a block per step.)
+  const int grid_warps = sort_grid_warps(a.num_local_experts);
+  const int64_t grid_chunk = int64_t(grid_warps) * kSortStep;
+  const int64_t grid_blocks = (a.routes + grid_chunk - 1) / grid_chunk;
+  const size_t grid_smem = sort_grid_smem_bytes(grid_warps, a.num_local_experts);
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (grid_blocks <= sort_grid_capacity(device, grid_smem)) {
+    launch_cooperative_kernel(moe_sort_grid_kernel, dim3(static_cast<unsigned>(grid_blocks)), dim3(kSortThreads),
+                              grid_smem, stream, pdl, a, grid_warps, grid_chunk, block_rows);
+    return;
+  }
   const int warps = sort_warps(a.num_local_experts);
   const int64_t chunk = int64_t(warps) * kSortStep;
   const size_t smem = sort_smem_bytes(warps, a.num_local_experts);
-  TORCH_CHECK(block_rows != nullptr, "cake::moe_sort: missing block workspace (internal error)");
   const size_t scan_smem = sizeof(int32_t) * (a.num_local_experts + 1);
   launch_kernel(moe_sort_count_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kSortThreads), smem, stream, pdl,
                 a, warps, chunk, block_rows);

@@ -6,8 +6,10 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include <c10/cuda/CUDAException.h>
@@ -38,6 +40,22 @@ inline void allow_dynamic_smem(const void* kernel, int bytes) {
   if (done.count({kernel, device})) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   done.insert({kernel, device});
+}
+
+// CTAs of `kernel` (`threads` and `smem` bytes of dynamic shared memory each, opted in first) resident
+// at once on one SM of the current device: what a cooperative grid may hold per SM. Asked of the
+// driver once per (kernel, device, threads, bytes), as kernels launched every step need it.
+inline int resident_ctas_per_sm(const void* kernel, int threads, size_t smem) {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(kernel, device, threads, smem);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return known[key] = per_sm;
 }
 
 namespace detail {

@@ -22,8 +22,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 
 #include <c10/cuda/CUDAException.h>
 
@@ -344,23 +342,16 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerPara
   }
 }
 
-// Layer-kernel CTAs resident per SM on `device`: the smaller of the two instantiations' (the same
-// shared memory, the spreading one a few more registers), asked of the driver once per device and
-// kept (a decode step launches this kernel every token).
+// Layer-kernel CTAs resident per SM: the smaller of the two instantiations' (the same shared memory,
+// the spreading one a few more registers).
 template <class T>
-int layer_ctas_per_sm(int device) {
-  static std::mutex mutex;
-  static std::map<int, int> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = known.find(device); it != known.end()) return it->second;
-  int plain = 0, spreading = 0;
-  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_layer_kernel<T, false>), kSmemBytes);
-  allow_dynamic_smem(reinterpret_cast<const void*>(moe_decode_layer_kernel<T, true>), kSmemBytes);
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&plain, moe_decode_layer_kernel<T, false>, kThreads,
-                                                               kSmemBytes));
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&spreading, moe_decode_layer_kernel<T, true>, kThreads,
-                                                               kSmemBytes));
-  return known[device] = std::min(plain, spreading);
+int layer_ctas_per_sm() {
+  const auto plain = reinterpret_cast<const void*>(moe_decode_layer_kernel<T, false>);
+  const auto spreading = reinterpret_cast<const void*>(moe_decode_layer_kernel<T, true>);
+  allow_dynamic_smem(plain, kSmemBytes);
+  allow_dynamic_smem(spreading, kSmemBytes);
+  return std::min(resident_ctas_per_sm(plain, kThreads, kSmemBytes),
+                  resident_ctas_per_sm(spreading, kThreads, kSmemBytes));
 }
 
 template <class T>
@@ -368,7 +359,7 @@ void launch_layer(const LayerParams& p, int64_t expected_routes, cudaStream_t st
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int per_sm = layer_ctas_per_sm<T>(device);
+  const int per_sm = layer_ctas_per_sm<T>();
   TORCH_CHECK(per_sm >= 1, "cake::moe_forward_out: the layer kernel does not fit on an SM (internal error)");
   // As many CTAs as are resident at once (the grid barriers need them all), fewer if the largest
   // phase has fewer items.

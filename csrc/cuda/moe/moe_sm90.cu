@@ -12,10 +12,7 @@
 #include <cmath>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <type_traits>
-#include <utility>
 
 #include <cooperative_groups.h>
 
@@ -49,13 +46,15 @@ constexpr int kSortUnroll = 4;
 constexpr int kSortStep = 32 * kSortUnroll;
 static_assert(kSortStep == kMoeSortRoutesPerStep, "moe_routing_workspace_bytes bounds the blocks by this step");
 
-int sort_warps(int64_t num_local) {
-  const int64_t warps = (kSortSmemBudget - 4 * (num_local + 1)) / (4 * num_local);
+// Shared memory of a sort block: its warps' [warps][E] counters, [E + 1] starts, and `extra` more
+// [E] arrays (the grid sort's rows in earlier blocks); the warps are as many as the budget allows.
+int sort_warps(int64_t num_local, int extra = 0) {
+  const int64_t warps = (kSortSmemBudget - 4 * ((1 + extra) * num_local + 1)) / (4 * num_local);
   return static_cast<int>(std::clamp<int64_t>(warps, 1, kSortMaxWarps));
 }
 
-size_t sort_smem_bytes(int warps, int64_t num_local) {
-  return sizeof(int32_t) * (size_t(warps) * num_local + num_local + 1);
+size_t sort_smem_bytes(int warps, int64_t num_local, int extra = 0) {
+  return sizeof(int32_t) * (size_t(warps) * num_local + (1 + extra) * num_local + 1);
 }
 
 // A one-block sort's warps and threads sized to its work: a sort warp per kSortStep routes, a
@@ -289,16 +288,7 @@ __global__ void __launch_bounds__(kSortThreads) moe_sort_place_kernel(MoeSortArg
 // [blocks][E]; after the grid barrier every block sums them into each expert's total (the scan:
 // block 0 writes counts and offsets) and its rows in the blocks before it, then places its chunk.
 // One launch and one count pass where the three kernels above take three launches and two.
-// Shared memory: sort_grid_smem_bytes.
-int sort_grid_warps(int64_t num_local) {
-  const int64_t warps = (kSortSmemBudget - 4 * (2 * num_local + 1)) / (4 * num_local);
-  return static_cast<int>(std::clamp<int64_t>(warps, 1, kSortMaxWarps));
-}
-
-size_t sort_grid_smem_bytes(int warps, int64_t num_local) {
-  return sizeof(int32_t) * (size_t(warps) * num_local + 2 * num_local + 1);
-}
-
+// Shared memory: sort_smem_bytes(warps, E, 1).
 __global__ void __launch_bounds__(kSortThreads) moe_sort_grid_kernel(MoeSortArgs a, int warps, int64_t chunk,
                                                                      int32_t* block_rows) {
   extern __shared__ int32_t smem[];
@@ -896,19 +886,6 @@ void configure_sort_kernels() {
   }
 }
 
-// Grid-sort blocks of `smem` bytes resident at once on `device` (its grid barrier needs them all),
-// asked of the driver once per (device, size).
-int64_t sort_grid_capacity(int device, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, size_t>, int64_t> known;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = known.find({device, smem}); it != known.end()) return it->second;
-  int per_sm = 0, sms = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, moe_sort_grid_kernel, kSortThreads, smem));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return known[{device, smem}] = int64_t(per_sm) * sms;
-}
-
 void check_sort_experts(const MoeSortArgs& a) {
   TORCH_CHECK(a.num_local_experts >= 1 && a.num_local_experts <= kMoeSortMaxLocalExperts,
               "cake::moe_sort: at most ", kMoeSortMaxLocalExperts, " local experts on CUDA, got ",
@@ -935,13 +912,16 @@ void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bo
   }
   TORCH_CHECK(block_rows != nullptr, "cake::moe_sort: missing block workspace (internal error)");
   // (Any chunk of whole steps fits the workspace: moe_routing_workspace_bytes counts a block per step.)
-  const int grid_warps = sort_grid_warps(a.num_local_experts);
+  const int grid_warps = sort_warps(a.num_local_experts, 1);
   const int64_t grid_chunk = int64_t(grid_warps) * kSortStep;
   const int64_t grid_blocks = (a.routes + grid_chunk - 1) / grid_chunk;
-  const size_t grid_smem = sort_grid_smem_bytes(grid_warps, a.num_local_experts);
-  int device = 0;
+  const size_t grid_smem = sort_smem_bytes(grid_warps, a.num_local_experts, 1);
+  int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (grid_blocks <= sort_grid_capacity(device, grid_smem)) {
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // The grid barrier needs every block resident at once.
+  const int per_sm = resident_ctas_per_sm(reinterpret_cast<const void*>(moe_sort_grid_kernel), kSortThreads, grid_smem);
+  if (grid_blocks <= int64_t(per_sm) * sms) {
     launch_cooperative_kernel(moe_sort_grid_kernel, dim3(static_cast<unsigned>(grid_blocks)), dim3(kSortThreads),
                               grid_smem, stream, pdl, a, grid_warps, grid_chunk, block_rows);
     return;

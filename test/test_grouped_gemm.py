@@ -371,12 +371,14 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
     ("fwd", 128, 128, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),       # decode
     ("dgrad", 128, 1024, 1536, 2048, "dgrad_bf16_ping_64x256x64_c1x1"),
     ("wgrad", 128, 128, 1536, 2048, "wgrad_bf16_coop_128x256x64_c2x1"),
-    ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2"),             # Qwen3 experts
-    ("fwd", 128, 65536, 2048, 768, "fwd_bf16_coop_128x256x64_c1x2"),
-    ("dgrad", 128, 65536, 2048, 768, "dgrad_bf16_coop_128x256x64_c2x1"),          # 3 N (= K) tiles
-    ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_coop_128x256x64_c1x2"),          # Mixtral
-    ("fwd", 4, 112576, 4096, 6144, "fwd_bf16_coop_128x256x64_c1x2_rasterN_swz4"),  # large groups
-    ("fwd", 4, 112576, 4352, 6144, "fwd_bf16_coop_128x256x64_c2x1"),              # 17 N tiles
+    ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1"),        # Qwen3 experts (512 rows)
+    ("fwd", 128, 8192, 2048, 768, "fwd_bf16_fixed_ping_128x128x64_c1x1"),          # 64 rows: weight-bound
+    ("dgrad", 128, 65536, 2048, 768, "dgrad_bf16_fixed_ping_64x256x64_c1x1"),
+    ("dgrad", 128, 131072, 2048, 768, "dgrad_bf16_fixed_coop_128x256x64_c2x1"),   # 3 N (= K) tiles
+    ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_fixed_coop_128x256x64_c1x2"),    # Mixtral
+    ("fwd", 4, 112576, 4096, 6144, "fwd_bf16_fixed_coop_128x256x64_c1x2"),        # large groups
+    ("fwd", 4, 112576, 4352, 6144, "fwd_bf16_fixed_coop_128x256x64_c2x1"),        # 17 N tiles
+    ("fwd_f16", 128, 65536, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2"),          # float16: ptr-array tiles
     ("fwd", 4, 112576, 6144, 2048, "fwd_bf16_ping_128x128x64_c1x1_rasterN"),      # w[e] fits in L2
     ("fwd_f16", 128, 128, 1536, 2048, "fwd_f16_swapab_coop_128x32x128_c1x1"),     # float16: same rules
     ("fwd_f16", 4, 112576, 4096, 6144, "fwd_f16_coop_128x256x64_c1x2_rasterN_swz4"),
@@ -389,7 +391,7 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
     ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1"),  # 256 rows / expert
     ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),
     ("fwd_e4m3", 64, 65536, 4352, 1536, "fwd_e4m3_coop_128x256x128_c2x1"),         # 17 N tiles
-    ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_coop_128x256x64_c1x2_rasterN_swz4"),
+    ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_fixed_coop_128x256x64_c1x2"),
     ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1"),          # 3 N tiles
     ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4"),
 ])
@@ -400,24 +402,23 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
 
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
 @pytest.mark.parametrize("family,e,sum_m,n,k,expected,epilogue", [
-    ("fwd", 128, 32768, 1536, 2048, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),     # Qwen3-30B T=4096 GEMM1
-    ("fwd", 128, 32768, 4096, 1536, "fwd_bf16_ping_64x256x64_c1x1", "none"),       # Qwen3-235B T=4096 GEMM2
-    ("fwd", 128, 32768, 2048, 768, "fwd_bf16_coop_128x256x64_c1x2", "scatter"),    # ... fused finalize
-    ("fwd", 8, 2048, 28672, 4096, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),       # Mixtral T=1024 GEMM1
-    ("fwd", 8, 8192, 28672, 4096, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),      # 1024 rows per group
-    ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_coop_128x256x64_c1x2", "swiglu"),     # 64: weight-bound
-    ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_ping_64x256x64_c1x1", "swiglu"),      # any K (Kimi-K2 shard)
-    ("fwd", 8, 2048, 4096, 14336, "fwd_bf16_ping_64x256x64_c1x1", "none"),         # Mixtral T=1024 GEMM2
-    ("fwd", 8, 2048, 4096, 14336, "fwd_bf16_ping_64x256x64_c1x1", "scatter"),      # ... K >= 8192: + finalize
-    ("fwd", 128, 32768, 4096, 1536, "fwd_bf16_coop_128x256x64_c1x2", "scatter"),   # Qwen3-235B T=4096 GEMM2
+    ("fwd", 128, 32768, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),   # Qwen3-30B T=4096 GEMM1
+    ("fwd", 128, 32768, 4096, 1536, "fwd_bf16_fixed_ping_64x256x64_c1x1", "none"),     # Qwen3-235B T=4096 GEMM2
+    ("fwd", 128, 32768, 2048, 768, "fwd_bf16_fixed_ping_64x256x64_c1x1", "scatter"),   # ... + finalize kernel
+    ("fwd", 8, 2048, 28672, 4096, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),     # Mixtral T=1024 GEMM1
+    ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),   # 512 rows per group
+    ("fwd", 8, 8192, 28672, 4096, "fwd_bf16_fixed_coop_128x256x64_c1x2", "swiglu"),    # 1024 rows per group
+    ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_fixed_ping_128x128x64_c1x1", "swiglu"),   # 64: weight-bound
+    ("fwd", 128, 8192, 2048, 768, "fwd_bf16_fixed_ping_128x128x64_c1x1", "scatter"),   # it has a scatter twin
+    ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),    # any K (Kimi-K2 shard)
     ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
     ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1", "swiglu"),   # StepFun fp8 T=2048 GEMM1
-    ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4", "scatter"),
+    ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_ping_64x256x128_c1x1", "none"),     # ... GEMM2
 ])
 def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
-    """129 to 384 rows per group: 64x256 pingpong for bfloat16 and e4m3 fwd (any K since session 19); under the
-    fused finalize (the epilogue twin that will run the tactic) only from K = 8192, since the tile has no
-    scatter twin and runs the plain GEMM, then the finalize kernel."""
+    """bfloat16: 33 to 128 rows per group 128x128 pingpong, 129 to 640 rows 64x256 pingpong, both with fixed
+    operands, for every epilogue (the 64x256 tile has no scatter twin: under the fused finalize it runs the
+    plain GEMM, then the finalize kernel, measured faster); e4m3 fwd: 129 to 384 rows 64x256 pingpong."""
     names = cake_ops._C.grouped_gemm_tactics(family)
     assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue)] == expected
 
@@ -429,9 +430,9 @@ def test_heuristic_expected_rows():
     names = cake_ops._C.grouped_gemm_tactics("fwd")
     tactic_for = cake_ops._C.grouped_gemm_tactic_for
     # Without the hint: 170 rows per expert, the small-groups rule's 64x256 pingpong tile.
-    assert names[tactic_for("fwd", 48, 8192, 4096, 7168)] == "fwd_bf16_ping_64x256x64_c1x1"
-    # T=4096: 85 rows per expert, weight-bound: not the 64-row tiles either.
-    assert names[tactic_for("fwd", 48, 32768, 4096, 7168, 4096)] == "fwd_bf16_coop_128x256x64_c1x2"
+    assert names[tactic_for("fwd", 48, 8192, 4096, 7168)] == "fwd_bf16_fixed_ping_64x256x64_c1x1"
+    # T=4096: 85 rows per expert, weight-bound: one 128-row tile per expert, not the 64-row tiles.
+    assert names[tactic_for("fwd", 48, 32768, 4096, 7168, 4096)] == "fwd_bf16_fixed_ping_128x128x64_c1x1"
     assert names[tactic_for("fwd", 48, 8192, 4096, 7168, 1024)] == "fwd_bf16_swapab_coop_128x32x128_c1x1"
     assert tactic_for("fwd", 48, 8192, 4096, 7168, -1) == tactic_for("fwd", 48, 8192, 4096, 7168)
     # A hint above sum_m counts as sum_m.

@@ -181,7 +181,9 @@ def test_gemm1_gathers_a_large_x_in_token_order(mapping):
 # GEMM1's SwiGLU twins (configs_sm90.inc): the fwd tiles whose epilogue applies the SwiGLU(Step) and stores
 # [rows, I] directly. Per family: (tactic name prefix, tiles with a twin).
 SWIGLU_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_64x256x64_c1x1", "ping_128x128x64_c1x1",
-                                                      "coop_128x256x64_c1x2", "coop_128x256x64_c2x1"]),
+                                                      "coop_128x256x64_c1x2", "coop_128x256x64_c2x1",
+                                                      "fixed_ping_64x256x64_c1x1", "fixed_ping_128x128x64_c1x1",
+                                                      "fixed_coop_128x256x64_c1x2", "fixed_coop_128x256x64_c2x1"]),
                 torch.float16: ("fwd_f16", "fwd_f16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
                                                         "coop_128x256x64_c2x1"]),
                 torch.float8_e4m3fn: ("fwd_e4m3", "fwd_e4m3_", ["ping_64x256x128_c1x1", "coop_128x256x128_c1x2",
@@ -280,7 +282,8 @@ def test_gemm1_zero_tail_false_leaves_only_the_tail(device):
 # StepFun pipeline finalizes in a fixed order by its specification).
 # Not the 64x256 pingpong tile (configs_sm90.inc says why).
 SCATTER_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
-                                                       "coop_128x256x64_c2x1"]),
+                                                       "coop_128x256x64_c2x1", "fixed_ping_128x128x64_c1x1",
+                                                       "fixed_coop_128x256x64_c1x2", "fixed_coop_128x256x64_c2x1"]),
                  torch.float16: SWIGLU_TWINS[torch.float16]}
 
 

@@ -22,8 +22,10 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include "cuda/common/pdl.cuh"
+#include "cuda/grouped_gemm/fixed_operand_sm90.cuh"
 #include "cuda/grouped_gemm/grouped_gemm_launch.h"
 #include "cuda/grouped_gemm/scatter_epilogue_sm90.cuh"
+#include "cuda/grouped_gemm/store_epilogue_sm90.cuh"
 #include "cuda/grouped_gemm/swiglu_epilogue_sm90.cuh"
 #include "grouped_gemm_checks.h"
 
@@ -59,6 +61,21 @@ struct Pingpong {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
+// The same schedules with fixed operand descriptors (fixed_operand_sm90.cuh): fwd and dgrad.
+struct CooperativeFixed : Cooperative {
+  static constexpr bool kFixedOperands = true;
+};
+struct PingpongFixed : Pingpong {
+  static constexpr bool kFixedOperands = true;
+};
+template <class Schedule>
+constexpr bool fixed_operands() {
+  if constexpr (requires { Schedule::kFixedOperands; }) {
+    return Schedule::kFixedOperands;
+  } else {
+    return false;
+  }
+}
 // e4m3 inputs: the fp8 wgmma accumulates into the fp32 accumulators directly ("fast
 // accumulation"). The alternative, promoting a second register set into fp32 every few k-blocks,
 // measured 1.46x slower than bf16 on the H200 (benchmarks/NOTES.md); per-tensor scaled inference
@@ -114,25 +131,31 @@ struct GroupedGemmConfig {
 
   static constexpr bool kSwiGlu = kKind == Kind::kFwdSwiGlu;
   static constexpr bool kScatter = kKind == Kind::kFwdScatter;
+  static constexpr bool kFixed = fixed_operands<Schedule>();
+  static_assert(!kFixed || (!is_swap_ab(kKind) && op_of(kKind) != Kind::kWgrad),
+                "fixed operands: a group's rows are the tile's M side and never its K");
   using StrideDPtr = cutlass::detail::TagToStrideC_t<LayoutD*>;
   using CollectiveEpilogue = std::conditional_t<
       kSwiGlu, cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwiGluEpilogueArray<ElementOut, StrideDPtr>>,
       std::conditional_t<kScatter,
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<ScatterAddEpilogueArray<ElementOut, StrideDPtr>>,
+      std::conditional_t<kFixed,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<StoreEpilogueArray<ElementOut, StrideDPtr>>,
       typename cutlass::epilogue::collective::CollectiveBuilder<
           cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
           cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
           void, LayoutD*, kAlignOut,  // no source C: D = A * B
           ElementOut, LayoutD*, kAlignOut, typename Schedule::EpilogueSchedule,
           cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator, void,
-                                                       ElementAccumulator>>::CollectiveOp>>;
+                                                       ElementAccumulator>>::CollectiveOp>>>;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
       ElementIn, LayoutB*, kAlignIn, ElementAccumulator, TileShape_, ClusterShape_,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
+  using CollectiveMainloop = std::conditional_t<kFixed, FixedOperandMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel = WaitForPredecessor<
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
@@ -322,7 +345,15 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(E), arr.shapes, nullptr};
-  args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
+  if constexpr (Config::kFixed) {
+    // Every group's rows of A from x / grad_out, every expert's B from w (write_group_arguments' table).
+    const bool dgrad = Config::op == Kind::kDgrad;
+    args.mainloop = {static_cast<const typename Config::ElementIn*>(p.a), static_cast<const typename Config::ElementIn*>(p.b),
+                     static_cast<int32_t>(p.sum_m), static_cast<int32_t>(dgrad ? p.k : p.n),
+                     static_cast<int32_t>(dgrad ? p.n : p.k), static_cast<int32_t>(E), p.offs, p.indptr};
+  } else {
+    args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
+  }
   if constexpr (Config::kSwiGlu) {
     args.epilogue = {arr.ptr_d, arr.stride_d, Config::kScaled ? arr.alpha : nullptr, p.swiglu_limits};
   } else if constexpr (Config::kScatter) {
@@ -330,6 +361,8 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
     args.epilogue = {static_cast<typename Config::ElementOut*>(p.scatter.out), p.offs, p.indptr,
                      p.scatter.rows_to_routes, p.scatter.route_scales, p.scatter.num_tokens * p.scatter.top_k,
                      p.scatter.top_k};
+  } else if constexpr (Config::kFixed) {
+    args.epilogue = {arr.ptr_d, arr.stride_d, Config::kScaled ? arr.alpha : nullptr};
   } else {
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;

@@ -109,7 +109,9 @@ int find(TacticFamily family, const std::string& name) {
 struct HeuristicChoices {
   int few_rows;           // a few rows per group: weight-bandwidth bound
   int few_rows_narrow;    // the same with half the weight rows per tile, for fuller waves; -1: none
-  int small_groups;       // 129 to 384 rows per group, except under the fused finalize; -1: none
+  int short_groups;       // 33 to 128 rows per group; -1: none (the medium or large rule)
+  int small_groups;       // 129 rows per group up to small_groups_max_rows; -1: none
+  int small_groups_max_rows;
   int medium_groups;      // up to 2048 rows per group, N tiles pair up (else large_groups_odd); -1: none
   int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
   int large_groups_odd;   // large groups, an odd number of 256-wide N tiles
@@ -132,28 +134,42 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
         case TacticFamily::kFwdF16:
           // Decode with few experts touched: 64x16x256 pingpong, 9% over 128x32x128 on the StepFun fc1 at T=1
           // (sweep_moe_gemm.py; float16 has no such configuration).
-          // Small groups (bfloat16): 64x256 pingpong, results/sweep_moe_gemm_h200_mid_t.txt (session 16).
-          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"),
-                  fam == TacticFamily::kFwdBf16 ? named("swapab_ping_64x16x256_c1x1") : -1,
-                  fam == TacticFamily::kFwdBf16 ? named("ping_64x256x64_c1x1") : -1,
-                  named("coop_128x256x" + k64 + "_c1x2"), coop_1x2, coop_2x1,
-                  named("ping_128x128x" + k64 + "_c1x1_rasterN")};
+          if (fam == TacticFamily::kFwdBf16) {
+            // From 33 rows per group, fixed-operand tiles (fixed_operand_sm90.cuh; H200, session 24,
+            // results/tiles_balanced_vs_routed_h200.txt, sweep_moe_gemm_h200_fixed.txt): 33-128 rows 128x128
+            // pingpong (it has a scatter twin, the 64x256 tile none); 129-640 rows 64x256 pingpong (on routed
+            // groups, whose last tiles are ragged, 2-8% over 128x128 and up to 14% over the cooperative tile;
+            // under the fused finalize its plain GEMM and the finalize kernel still beat the cooperative
+            // tile's scatter twin, Qwen3-30B T=4096 234 vs 250 us); then 128x256 cooperative, in the default
+            // tile order (the fixed tile measured level with or above the ptr-array one's rasterN_swz4).
+            c[f] = {named("swapab_coop_128x32x128_c1x1"), named("swapab_ping_64x16x256_c1x1"),
+                    named("fixed_ping_128x128x64_c1x1"), named("fixed_ping_64x256x64_c1x1"), 640,
+                    named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c1x2"),
+                    named("fixed_coop_128x256x64_c2x1"), named("ping_128x128x64_c1x1_rasterN")};
+          } else {  // float16: the ptr-array tiles
+            c[f] = {named("swapab_coop_128x32x128_c1x1"), -1, -1, -1, 0, named("coop_128x256x64_c1x2"), coop_1x2,
+                    coop_2x1, named("ping_128x128x64_c1x1_rasterN")};
+          }
           break;
         case TacticFamily::kFwdE4m3:
           // From the H200 sweep of the StepFun shapes (sweep_moe_gemm.py, NOTES.md): large groups,
           // 128x256 cooperative with the 1x2 cluster (837-966 TFLOP/s, 8-18% over 128x128 pingpong);
           // no medium-group or weight-in-L2 rule measured for fp8.
           // Decode with few experts touched: the bf16 rule's 64x16 tile, K stages of the same bytes.
-          // Small groups (129-384 rows): the bf16 rule's 64x256 pingpong, K tiles of the same bytes
+          // Small groups (129-384 rows): 64x256 pingpong, K tiles of the same bytes as bf16's
           // (session 17: at 256 rows per expert it beats the cooperative tile, 414 vs 452 us).
-          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"),
-                  named("ping_64x256x128_c1x1"), -1, coop_1x2, coop_2x1, -1};
+          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"), -1,
+                  named("ping_64x256x128_c1x1"), 384, -1, coop_1x2, coop_2x1, -1};
           break;
         case TacticFamily::kDgradBf16:
-          c[f] = {named("ping_64x256x64_c1x1"), -1, -1, named("coop_128x256x64_c1x2"), coop_1x2, coop_2x1, -1};
+          // The fwd rules' fixed-operand tiles (session 24): 64x256 pingpong from 33 to 640 rows per group,
+          // then 128x256 cooperative.
+          c[f] = {named("ping_64x256x64_c1x1"), -1, named("fixed_ping_64x256x64_c1x1"), named("fixed_ping_64x256x64_c1x1"),
+                  640, named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c1x2"),
+                  named("fixed_coop_128x256x64_c2x1"), -1};
           break;
         default:  // wgrad: the groups' rows are the reduction; the output is E dense N x K tiles
-          c[f] = {coop_2x1, -1, -1, -1, coop_1x2, coop_2x1, -1};
+          c[f] = {coop_2x1, -1, -1, -1, 0, -1, coop_1x2, coop_2x1, -1};
       }
     }
     return c;
@@ -249,32 +265,28 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // counts, as a router makes them) it loses 15-25% to the cooperative tile (Qwen3 shapes, fwd and
   // dgrad, results/sweep_moe_gemm_h200_large_t.txt and tiles_balanced_vs_routed_h200.txt).
   // Large groups keep v2's order along N in swizzles of 4 (4 to 12% over the 2x1 cluster, balanced).
+  // v4 (session 24): bf16 fwd and dgrad from 33 rows per group on the fixed-operand tiles, which rewrite no
+  // TMA descriptor when a CTA moves to another group; that cost was what sank 128-row pingpong on routed
+  // groups. The rules below name the tiles; the measurements are with each family's choices.
   const HeuristicChoices& c = heuristic_choices(family);
   const int64_t rows = choice_rows(s);
   const int64_t rows_per_group = s.num_groups > 0 ? rows / s.num_groups : rows;
   if (rows_per_group <= 32) {
     return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
   }
-  // 129 to 384 rows per group (the MoE GEMMs of Qwen3 at T = 4096, Mixtral at T = 1024): 64-row
-  // tiles waste fewer rows of each group's last tile, and the pingpong overlaps one warp group's
-  // epilogue with the other's MMAs. H200 (results/sweep_moe_gemm_h200_mid_t.txt): GEMM1 (SwiGLU
-  // twin) -1 to -8% (Qwen3-235B T=4096 1617.6 -> 1487.2 us), plain GEMM2 -4 to -10%; end to end
-  // Qwen3-30B / Qwen3-235B T=4096 -4 / -7%. Under the fused finalize the tile has no scatter twin
-  // (its scatter epilogue outlasts the other warp group's MMAs), so choosing it there means the plain
-  // GEMM2 and then the finalize kernel, an extra pass over the [rows, N] output that pays only after a
-  // long mainloop: K >= 8192 (Mixtral T=1024, K = 14336: 1.478 -> 1.438 ms; Qwen3-235B / Qwen3-30B
-  // T=4096, K = 1536 / 768: no gain; results/ab_small_groups_scatter_h200.txt). Not from 1024 rows
-  // up (the cooperative tile leads: Mixtral T=4096 GEMM1 +2%), and not up to 128 rows, where the
-  // weight stream bounds the GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows) and 64-row tiles
-  // read each weight tile twice as often: the Kimi-K2 shard at T=4096 (85 rows per expert) ran 20%
-  // slower with them.
-  // Any K: the shard's GEMM1 (K = 7168, 341 rows at T=16384) once ran 2.80 -> 3.99 ms with them, but
-  // that was PDL overlapping the kernel with the zeroing of GEMM1's unread tail rows; without the
-  // zeroing it gains (fused 2.54 -> 2.50 ms, deterministic 2.65 -> 2.55; ab_gemm1_tail_h200.txt).
+  // 33 to 128 rows per group (Qwen3 at T = 1024, the Kimi-K2 shard at T = 4096): the weight stream bounds the
+  // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows), one 128-row tile per group reads each weight tile
+  // once, and 64-row ptr-array tiles read them twice (the Kimi-K2 shard at 85 rows ran 20% slower with them).
+  constexpr int64_t kShortGroupMaxRows = 128;
+  if (c.short_groups >= 0 && rows_per_group <= kShortGroupMaxRows) return c.short_groups;
+  // From 129 rows per group (the MoE GEMMs of Qwen3 at T = 4096, Mixtral at T = 1024): 64-row tiles waste
+  // fewer rows of each group's last tile, and the pingpong overlaps one warp group's epilogue with the other's
+  // MMAs. Ptr-array 64x256 (sessions 16-19, results/sweep_moe_gemm_h200_mid_t.txt): GEMM1 -1 to -8%, plain
+  // GEMM2 -4 to -10%; any K since the zeroing of GEMM1's unread tail went (ab_gemm1_tail_h200.txt).
+  // Under the fused finalize this tile has no scatter twin: the plain GEMM2, then the finalize kernel.
   // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
-  constexpr int64_t kSmallGroupMinRows = 129, kSmallGroupMaxRows = 384, kScatterFallbackMinK = 8192;
-  if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= kSmallGroupMaxRows &&
-      (twin != EpilogueTwin::kScatter || s.k >= kScatterFallbackMinK)) {
+  constexpr int64_t kSmallGroupMinRows = 129;
+  if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= c.small_groups_max_rows) {
     return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an

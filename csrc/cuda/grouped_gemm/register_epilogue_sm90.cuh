@@ -68,6 +68,43 @@ struct RegisterEpilogueArray {
     return tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
   }
 
+  // The thread's accumulators 8 columns of a row at a time: for each of its rows m, row_state(m) is what
+  // that row's stores need; pack(state, a, b) packs two adjacent accumulators (columns n, n + 1) into a
+  // word; after the quad transpose store(state, m, n, w) gets the 4 words of columns [n, n + 8). Every lane
+  // of the quad takes part whether or not its row is in the group (store decides what to write).
+  template <class Accumulators, class ThreadCoords, class RowState, class Pack, class Store>
+  static CUTLASS_DEVICE void for_each_octet(Accumulators const& accumulators, ThreadCoords const& thread_coords,
+                                            RowState row_state, Pack pack, Store store) {
+    using namespace cute;
+    constexpr int kGroups = decltype(size<0, 2>(accumulators.layout()))::value;
+    static_assert(kGroups % 4 == 0, "the quad transpose takes column groups 4 at a time");
+    const int q = threadIdx.x & 3;
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < size<1>(accumulators); ++mm) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int m = get<0>(thread_coords(make_coord(make_coord(0, half, 0), mm, 0)));
+        const auto state = row_state(m);
+        CUTLASS_PRAGMA_UNROLL
+        for (int nn = 0; nn < size<2>(accumulators); ++nn) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int b = 0; b < kGroups / 4; ++b) {
+            uint32_t w[4];
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < 4; ++j) {
+              auto at = [&](int c) { return make_coord(make_coord(c, half, 4 * b + j), mm, nn); };
+              w[j] = pack(state, accumulators(at(0)), accumulators(at(1)));
+            }
+            quad_transpose(w);
+            // Lane q now holds group 4b + q whole: its 8 columns start 2q left of lane q's own pair.
+            const int n = get<1>(thread_coords(make_coord(make_coord(0, half, 4 * b + q), mm, nn))) - 2 * q;
+            store(state, m, n, w);
+          }
+        }
+      }
+    }
+  }
+
   // The 4 lanes of a quad hold one accumulator row: lane q has columns 2q, 2q + 1 of each 8-column
   // group. Given w[j] = lane q's two packed outputs of group j of 4 consecutive groups, the quad
   // transposes them so that lane q holds all 8 columns of group q (w[i] = columns 2i, 2i + 1): one

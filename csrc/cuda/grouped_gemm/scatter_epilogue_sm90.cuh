@@ -73,7 +73,6 @@ class ScatterAddEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_
                                  BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    constexpr int kGroups = decltype(size<0, 2>(FrgLayout{}))::value;
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
     const int l_coord = get<3>(blk_coord_mnkl);
@@ -82,44 +81,31 @@ class ScatterAddEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_
     const auto thread_coords =
         Base::template accumulator_coords<FrgLayout>(M, N, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
 
-    static_assert(kGroups % 4 == 0, "the quad transpose takes column groups 4 at a time");
-    const int q = threadIdx.x & 3;
     cutlass::NumericConverter<ElementD, float, cutlass::FloatRoundStyle::round_to_nearest> to_out;
-    CUTLASS_PRAGMA_UNROLL
-    for (int mm = 0; mm < size<1>(accumulators); ++mm) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        // The quad's row (all 4 lanes: they shuffle whether or not the row is in the group).
-        const int m = get<0>(thread_coords(make_coord(make_coord(0, half, 0), mm, 0)));
-        const bool row_in_group = m < M;
-        float scale = 0.0f;
-        ElementD* out_row = params_.out;
-        if (row_in_group) {
-          const int32_t route = params_.rows_to_routes[first_row + m];
-          if (route < 0 || route >= params_.routes) __trap();  // no call: a call would serialize the wgmmas
-          scale = params_.route_scales[route];
-          out_row += (route / params_.top_k) * int64_t(N);
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int nn = 0; nn < size<2>(accumulators); ++nn) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int b = 0; b < kGroups / 4; ++b) {
-            uint32_t w[4];
-            CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              auto at = [&](int c) { return make_coord(make_coord(c, half, 4 * b + j), mm, nn); };
-              // GEMM2's stored row (one rounding), times the router weight, one more rounding.
-              w[j] = PackedAdd<ElementD>::pack(__fmul_rn(scale, static_cast<float>(to_out(accumulators(at(0))))),
-                                               __fmul_rn(scale, static_cast<float>(to_out(accumulators(at(1))))));
-            }
-            Base::quad_transpose(w);
-            // Lane q now holds group 4b + q whole: its 8 columns start 2q left of lane q's own pair.
-            const int n = get<1>(thread_coords(make_coord(make_coord(0, half, 4 * b + q), mm, nn))) - 2 * q;
-            if (row_in_group && n < N) PackedAdd<ElementD>::add8(out_row + n, w);  // N % 8 == 0
-          }
-        }
+    struct Row {
+      bool in_group;
+      float scale;
+      ElementD* out;
+    };
+    auto row_state = [&](int m) {
+      Row row{m < M, 0.0f, params_.out};
+      if (row.in_group) {
+        const int32_t route = params_.rows_to_routes[first_row + m];
+        if (route < 0 || route >= params_.routes) __trap();  // no call: a call would serialize the wgmmas
+        row.scale = params_.route_scales[route];
+        row.out += (route / params_.top_k) * int64_t(N);
       }
-    }
+      return row;
+    };
+    // GEMM2's stored row (one rounding), times the router weight, one more rounding.
+    auto pack = [&](const Row& row, float a, float b) {
+      return PackedAdd<ElementD>::pack(__fmul_rn(row.scale, static_cast<float>(to_out(a))),
+                                       __fmul_rn(row.scale, static_cast<float>(to_out(b))));
+    };
+    auto store = [&](const Row& row, int, int n, const uint32_t(&w)[4]) {
+      if (row.in_group && n < N) PackedAdd<ElementD>::add8(row.out + n, w);  // N % 8 == 0
+    };
+    Base::for_each_octet(accumulators, thread_coords, row_state, pack, store);
   }
 
  private:

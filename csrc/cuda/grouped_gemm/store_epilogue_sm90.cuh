@@ -35,8 +35,6 @@ class StoreEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_> {
                                  BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
                                  TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
     using namespace cute;
-    constexpr int kGroups = decltype(size<0, 2>(FrgLayout{}))::value;
-    static_assert(kGroups % 4 == 0, "the quad transpose takes column groups 4 at a time");
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
     const int l_coord = get<3>(blk_coord_mnkl);
@@ -45,36 +43,19 @@ class StoreEpilogueArray : public RegisterEpilogueArray<ElementD_, StrideD_> {
     ElementD* out = params_.ptr_D[l_coord];
     const auto thread_coords =
         Base::template accumulator_coords<FrgLayout>(M, N, blk_shape_MNK, blk_coord_mnkl, tiled_mma, thread_idx);
-    const int q = threadIdx.x & 3;
     cutlass::NumericArrayConverter<ElementD, float, 2, cutlass::FloatRoundStyle::round_to_nearest> to_out;
-    CUTLASS_PRAGMA_UNROLL
-    for (int mm = 0; mm < size<1>(accumulators); ++mm) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const int m = get<0>(thread_coords(make_coord(make_coord(0, half, 0), mm, 0)));
-        ElementD* out_row = out + int64_t(m) * row_pitch;
-        CUTLASS_PRAGMA_UNROLL
-        for (int nn = 0; nn < size<2>(accumulators); ++nn) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int b = 0; b < kGroups / 4; ++b) {
-            uint32_t w[4];
-            CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < 4; ++j) {
-              auto at = [&](int c) { return make_coord(make_coord(c, half, 4 * b + j), mm, nn); };
-              cutlass::Array<float, 2> pair;
-              pair[0] = alpha * accumulators(at(0));
-              pair[1] = alpha * accumulators(at(1));
-              const auto packed = to_out(pair);
-              w[j] = *reinterpret_cast<const uint32_t*>(&packed);
-            }
-            Base::quad_transpose(w);  // every lane of the quad takes part, in the group or not
-            // Lane q now holds group 4b + q whole: its 8 columns start 2q left of lane q's own pair.
-            const int n = get<1>(thread_coords(make_coord(make_coord(0, half, 4 * b + q), mm, nn))) - 2 * q;
-            if (m < M && n < N) *reinterpret_cast<uint4*>(out_row + n) = make_uint4(w[0], w[1], w[2], w[3]);  // N % 8 == 0
-          }
-        }
-      }
-    }
+    auto row_state = [&](int m) { return out + int64_t(m) * row_pitch; };
+    auto pack = [&](ElementD*, float a, float b) {
+      cutlass::Array<float, 2> pair;
+      pair[0] = alpha * a;
+      pair[1] = alpha * b;
+      const auto packed = to_out(pair);
+      return *reinterpret_cast<const uint32_t*>(&packed);
+    };
+    auto store = [&](ElementD* out_row, int m, int n, const uint32_t(&w)[4]) {
+      if (m < M && n < N) *reinterpret_cast<uint4*>(out_row + n) = make_uint4(w[0], w[1], w[2], w[3]);  // N % 8 == 0
+    };
+    Base::for_each_octet(accumulators, thread_coords, row_state, pack, store);
   }
 
  private:

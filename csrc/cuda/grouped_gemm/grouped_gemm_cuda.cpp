@@ -32,6 +32,8 @@ void check_cuda_operands(Op kind, const GroupedGemmShape& s, const at::Tensor& a
               ": CUDA kernels need 16-byte aligned data pointers (a storage offset broke this)");
   TORCH_CHECK(s.num_groups <= 65535, op, ": at most 65535 groups, got ", s.num_groups);
   TORCH_CHECK(s.n <= INT32_MAX && s.k <= INT32_MAX, op, ": N and K must fit in int32");
+  // TMA coordinates and CUTLASS's group shapes are int32 (the fixed-operand tiles address every row).
+  TORCH_CHECK(s.sum_m <= INT32_MAX, op, ": at most 2^31 - 1 rows (sum_m), got ", s.sum_m);
 }
 
 void check_workspace(const at::Tensor& workspace, const GroupedGemmShape& s, const at::Tensor& like,

@@ -109,9 +109,12 @@ has_tactics = pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactics"
 def test_overrides_pick_the_grouped_gemm_tactic():
     names = cake_ops._C.grouped_gemm_tactics("fwd")
     assert override_tactic("fwd", "GEMM1") == -1  # no override: the tuned or heuristic choice
-    assert names[override_tactic("fwd", "GEMM1", 64, 256)] == "fwd_bf16_ping_64x256x64_c1x1"
-    assert names[override_tactic("fwd", "GEMM2", 128, 256, 64, (1, 2), False)] == "fwd_bf16_coop_128x256x64_c1x2_rasterN"
-    assert names[override_tactic("fwd", "GEMM2", 128, 128, None, (1, 1), True)] == "fwd_bf16_ping_128x128x64_c1x1"
+    # The fixed-operand configuration of a tile where there is one (same numbers, faster).
+    assert names[override_tactic("fwd", "GEMM1", 64, 256)] == "fwd_bf16_fixed_ping_64x256x64_c1x1"
+    assert names[override_tactic("fwd", "GEMM2", 128, 256, 64, (1, 2), False)] == \
+        "fwd_bf16_fixed_coop_128x256x64_c1x2_rasterN"
+    assert names[override_tactic("fwd", "GEMM2", 128, 128, None, (1, 1), True)] == "fwd_bf16_fixed_ping_128x128x64_c1x1"
+    assert names[override_tactic("fwd", "GEMM1", 256, 128)] == "fwd_bf16_coop_256x128x64_c2x1"  # ptr-array only
     assert cake_ops._C.grouped_gemm_tactics("fwd_f16")[override_tactic("fwd_f16", "GEMM1", 128, 128)] == \
         "fwd_f16_ping_128x128x64_c1x1"
     with pytest.raises(ValueError, match=r"cake_ops.fused_moe_bf16: no GEMM2 kernel configuration has tile_m=128, "

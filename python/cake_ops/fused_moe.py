@@ -135,21 +135,24 @@ def _check_overrides(hidden: int, intermediate: int, tile_size, gemm1_tile_n, ge
            f"gemm2_raster_along_m must be a bool or None, got {gemm2_raster_along_m!r}")
 
 
-_TACTIC_NAME = re.compile(r"^fwd_(?:bf16|f16)_(?:coop|ping)_(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)(_rasterN)?(_swz\d+)?$")
+_TACTIC_NAME = re.compile(r"^fwd_(?:bf16|f16)_(?:fixed_)?(?:coop|ping)_(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)(_rasterN)?(_swz\d+)?$")
 
 
 def override_tactic(family: str, gemm: str, tile_m: Optional[int] = None, tile_n: Optional[int] = None,
                     tile_k: Optional[int] = None, cluster_mn: Optional[Tuple[int, int]] = None,
                     raster_along_m: Optional[bool] = None) -> int:
     """The grouped GEMM tactic (index into ``_C.grouped_gemm_tactics(family)``) that honours every
-    override given, -1 when none is given (the tuned or heuristic choice then runs). The first
-    match in table order wins (a configuration's default tile order comes first). Swap-AB tactics
-    (weight on the tile's M side) never match: the overrides name the row tile."""
+    override given, -1 when none is given (the tuned or heuristic choice then runs). A tile with
+    fixed operand descriptors wins over the ptr-array configuration of the same tile (the same
+    numbers, faster: benchmarks/NOTES.md, session 24), then the first match in table order (a
+    configuration's default tile order comes first). Swap-AB tactics (weight on the tile's M side)
+    never match: the overrides name the row tile."""
     wanted = (tile_m, tile_n, tile_k, None if cluster_mn is None else tuple(cluster_mn), raster_along_m)
     if all(v is None for v in wanted) or not hasattr(_C, "grouped_gemm_tactics"):
         return -1  # nothing asked, or a CPU-only build (no kernels to choose from)
     tiles = set()
-    for index, name in enumerate(_C.grouped_gemm_tactics(family)):
+    names = list(enumerate(_C.grouped_gemm_tactics(family)))
+    for index, name in sorted(names, key=lambda item: "_fixed_" not in item[1]):  # stable: fixed ones first
         m = _TACTIC_NAME.match(name)
         if not m:
             continue

@@ -370,7 +370,7 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
 @pytest.mark.parametrize("family,e,sum_m,n,k,expected", [
     ("fwd", 128, 128, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),       # decode
     ("dgrad", 128, 1024, 1536, 2048, "dgrad_bf16_ping_64x256x64_c1x1"),
-    ("wgrad", 128, 128, 1536, 2048, "wgrad_bf16_coop_128x256x64_c2x1"),
+    ("wgrad", 128, 128, 1536, 2048, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),
     ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1"),        # Qwen3 experts (512 rows)
     ("fwd", 128, 8192, 2048, 768, "fwd_bf16_fixed_ping_128x128x64_c1x1"),          # 64 rows: weight-bound
     ("dgrad", 128, 65536, 2048, 768, "dgrad_bf16_fixed_ping_64x256x64_c1x1"),
@@ -392,8 +392,12 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
     ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),
     ("fwd_e4m3", 64, 65536, 4352, 1536, "fwd_e4m3_coop_128x256x128_c2x1"),         # 17 N tiles
     ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_fixed_coop_128x256x64_c1x2"),
-    ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_coop_128x256x64_c2x1"),          # 3 N tiles
-    ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_coop_128x256x64_c1x2_rasterN_swz4"),
+    ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),    # 512 rows: fixed operands
+    ("wgrad", 128, 8192, 1536, 2048, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),     # 64 rows
+    ("wgrad", 8, 131072, 4096, 6144, "wgrad_bf16_fixed_coop_128x256x64_c1x2"),     # large groups
+    ("wgrad", 8, 131072, 4096, 6152, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),     # 25 N (= K) tiles
+    ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_fixed_coop_128x256x64_c2x1"),   # 2048 rows (Mixtral)
+    ("wgrad_f32", 128, 128, 1536, 2048, "wgrad_f32_fixed_coop_128x256x64_c2x1"),   # decode
 ])
 def test_heuristic_choices(family, e, sum_m, n, k, expected):
     names = cake_ops._C.grouped_gemm_tactics(family)
@@ -624,12 +628,16 @@ def test_64bit_indexing():
 @cuda_only
 @pytest.mark.parametrize("family", ["fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16"])
 def test_every_kernel_configuration_matches_float64(family):
-    # Each tactic is its own kernel: check all of them, not only the heuristic's choice.
+    # Each tactic is its own kernel: check all of them, not only the heuristic's choice. The rows past the
+    # last group are NaN: the fixed-operand tiles read them (fwd / dgrad compute them into rows they drop,
+    # wgrad zeroes them in shared memory), and none may reach the output.
     sizes = [0, 1, 130, 7, 0, 300, 64, 1000]
     dtype = torch.float16 if family == "fwd_f16" else torch.bfloat16
     x = rand(sum(sizes) + 9, 264, dtype=dtype, device="cuda")
     w = rand(len(sizes), 136, 264, dtype=dtype, device="cuda")
     g = rand(x.shape[0], 136, dtype=dtype, device="cuda")
+    x[sum(sizes):] = float("nan")
+    g[sum(sizes):] = float("nan")
     offs = make_offs(sizes, "cuda")
     run, expected = {
         "fwd": (lambda: gg.grouped_gemm_fwd(x, w, offs), ref.grouped_gemm_fwd(x, w, offs)),
@@ -648,6 +656,9 @@ def test_every_kernel_configuration_matches_float64(family):
             assert rel_err(out, expected) < 1e-2, name
             if family.startswith("wgrad"):
                 assert (out[0] == 0).all() and (out[4] == 0).all(), name
+                for e, size in enumerate(sizes):  # each group on its own (1 row next to 1000)
+                    if size:
+                        assert rel_err(out[e], expected[e]) < 1e-2, (name, e)
             else:
                 assert (out[sum(sizes):] == 0).all(), name
     finally:

@@ -61,7 +61,8 @@ struct Pingpong {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
-// The same schedules with fixed operand descriptors (fixed_operand_sm90.cuh): fwd and dgrad.
+// The same schedules with fixed operand descriptors (fixed_operand_sm90.cuh): fwd and dgrad; wgrad
+// cooperative only.
 struct CooperativeFixed : Cooperative {
   static constexpr bool kFixedOperands = true;
 };
@@ -132,22 +133,27 @@ struct GroupedGemmConfig {
   static constexpr bool kSwiGlu = kKind == Kind::kFwdSwiGlu;
   static constexpr bool kScatter = kKind == Kind::kFwdScatter;
   static constexpr bool kFixed = fixed_operands<Schedule>();
-  static_assert(!kFixed || (!is_swap_ab(kKind) && op_of(kKind) != Kind::kWgrad),
-                "fixed operands: a group's rows are the tile's M side and never its K");
+  static_assert(!kFixed || !is_swap_ab(kKind), "fixed operands: a group's rows are never the tile's N side");
   using StrideDPtr = cutlass::detail::TagToStrideC_t<LayoutD*>;
+  // wgrad with fixed operands: the plain kernels' TMA store epilogue over dw as one tensor (fixed_operand_sm90.cuh).
+  template <class EpilogueSchedule, class LayoutTag>
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
+      void, LayoutTag, kAlignOut,  // no source C: D = A * B
+      ElementOut, LayoutTag, kAlignOut, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator, void,
+                                                   ElementAccumulator>>::CollectiveOp;
   using CollectiveEpilogue = std::conditional_t<
+      kFixed && op_of(kKind) == Kind::kWgrad,
+      FixedOutputEpilogue<BuiltEpilogue<cutlass::epilogue::TmaWarpSpecializedCooperative, LayoutD>>,
+      std::conditional_t<
       kSwiGlu, cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwiGluEpilogueArray<ElementOut, StrideDPtr>>,
       std::conditional_t<kScatter,
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<ScatterAddEpilogueArray<ElementOut, StrideDPtr>>,
       std::conditional_t<kFixed,
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<StoreEpilogueArray<ElementOut, StrideDPtr>>,
-      typename cutlass::epilogue::collective::CollectiveBuilder<
-          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
-          cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator,
-          void, LayoutD*, kAlignOut,  // no source C: D = A * B
-          ElementOut, LayoutD*, kAlignOut, typename Schedule::EpilogueSchedule,
-          cutlass::epilogue::fusion::LinearCombination<ElementOut, ElementAccumulator, void,
-                                                       ElementAccumulator>>::CollectiveOp>>>;
+      BuiltEpilogue<typename Schedule::EpilogueSchedule, LayoutD*>>>>>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
@@ -155,7 +161,8 @@ struct GroupedGemmConfig {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
-  using CollectiveMainloop = std::conditional_t<kFixed, FixedOperandMainloop<BuiltMainloop>, BuiltMainloop>;
+  using CollectiveMainloop =
+      std::conditional_t<kFixed, FixedOperandMainloop<BuiltMainloop, op_of(kKind) == Kind::kWgrad>, BuiltMainloop>;
 
   using Kernel = WaitForPredecessor<
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
@@ -346,7 +353,8 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(E), arr.shapes, nullptr};
   if constexpr (Config::kFixed) {
-    // Every group's rows of A from x / grad_out, every expert's B from w (write_group_arguments' table).
+    // Every group's rows of A from x / grad_out, every expert's B from w (write_group_arguments' table);
+    // wgrad: A = grad_out and B = x, both [sum_m, *], and (n, k) are the group's CUTLASS M and N.
     const bool dgrad = Config::op == Kind::kDgrad;
     args.mainloop = {static_cast<const typename Config::ElementIn*>(p.a), static_cast<const typename Config::ElementIn*>(p.b),
                      static_cast<int32_t>(p.sum_m), static_cast<int32_t>(dgrad ? p.k : p.n),
@@ -361,6 +369,9 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
     args.epilogue = {static_cast<typename Config::ElementOut*>(p.scatter.out), p.offs, p.indptr,
                      p.scatter.rows_to_routes, p.scatter.route_scales, p.scatter.num_tokens * p.scatter.top_k,
                      p.scatter.top_k};
+  } else if constexpr (Config::kFixed && Config::op == Kind::kWgrad) {
+    args.epilogue = {static_cast<typename Config::ElementOut*>(p.out), static_cast<int32_t>(p.n),
+                     static_cast<int32_t>(p.k), static_cast<int32_t>(E)};
   } else if constexpr (Config::kFixed) {
     args.epilogue = {arr.ptr_d, arr.stride_d, Config::kScaled ? arr.alpha : nullptr};
   } else {

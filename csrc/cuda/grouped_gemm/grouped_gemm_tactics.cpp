@@ -168,8 +168,17 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
                   640, named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c1x2"),
                   named("fixed_coop_128x256x64_c2x1"), -1};
           break;
-        default:  // wgrad: the groups' rows are the reduction; the output is E dense N x K tiles
-          c[f] = {coop_2x1, -1, -1, -1, 0, -1, coop_1x2, coop_2x1, -1};
+        default:  // wgrad (bf16 or float32 out): the groups' rows are the reduction; the output is E dense N x K tiles
+          // From 33 rows per group, the fixed-operand cooperative tile (session 25, results/ab_wgrad_fixed_h200.txt):
+          // the ptr-array kernel, when a CTA moves to another group (at E=128 almost every tile), patches and fences
+          // its operand descriptors and drains its TMA stores before patching the store descriptor; the fixed one
+          // loads every group through one descriptor per operand and stores dw as one [E, N, K] tensor. 2x1
+          // cluster up to 2048 rows per group (Qwen3-30B fc1 / fc2, 512 rows: +9 / +11%, float32 +8%; 1024 rows
+          // +6%; 2048 +4%), then the 1x2 cluster (0 to +5% over the ptr-array tile's order along N, swizzle 4).
+          // Decode too (1 to 8 rows per group: +39 to +47%, float32 +3 to +12%): a group's last K block runs
+          // only the wgmmas that hold its rows.
+          c[f] = {named("fixed_coop_128x256x64_c2x1"), -1, named("fixed_coop_128x256x64_c2x1"), named("fixed_coop_128x256x64_c2x1"), 2048, -1,
+                  named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c2x1"), -1};
       }
     }
     return c;

@@ -169,7 +169,7 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
                   named("fixed_coop_128x256x64_c2x1"), -1};
           break;
         default:  // wgrad (bf16 or float32 out): the groups' rows are the reduction; the output is E dense N x K tiles
-          // From 33 rows per group, the fixed-operand cooperative tile (session 25, results/ab_wgrad_fixed_h200.txt):
+          // Every size on the fixed-operand cooperative tile (session 25, results/ab_wgrad_fixed_h200.txt):
           // the ptr-array kernel, when a CTA moves to another group (at E=128 almost every tile), patches and fences
           // its operand descriptors and drains its TMA stores before patching the store descriptor; the fixed one
           // loads every group through one descriptor per operand and stores dw as one [E, N, K] tensor. 2x1

@@ -21,10 +21,11 @@ from cake_ops.fused_moe import interleave_up_gate_sm90
 TACTIC_FAMILY = {"bf16": "fwd", "fp8": "fwd_e4m3"}
 
 
-def sweep(timer, label, tactics, make, flops, top):
-    """Time `make(tactic)` for -1, -2 and every grouped GEMM tactic; print the fastest `top`."""
+def sweep(timer, label, tactics, make, flops, top, only=()):
+    """Time `make(tactic)` for -1, -2 and every grouped GEMM tactic (or those named in `only`); print the
+    fastest `top`."""
     fns = {"automatic": (make(-1), None), "decode kernel": (make(-2), None)}
-    fns.update({tactic: (make(i), None) for i, tactic in enumerate(tactics)})
+    fns.update({tactic: (make(i), None) for i, tactic in enumerate(tactics) if not only or tactic in only})
     times = timer.many(fns, graph=True)
     ranked = sorted((v, n) for n, v in times.items() if not isinstance(v, str))
     print(f"{label}: automatic {times['automatic'] * 1e3:8.1f} us, decode kernel "
@@ -57,8 +58,10 @@ def stepfun_shapes(args, timer):
                 def gemm2(tactic):
                     return lambda: torch.ops.cake.moe_gemm2(a_q, weights.w2, routed.expert_offsets, True, tactic,
                                                             a_scale, weights.w2_scale)
-                sweep(timer, f"{name} {family} T={t} gemm1", tactics, gemm1, 2 * t * k * 2 * inter * h, args.top)
-                sweep(timer, f"{name} {family} T={t} gemm2", tactics, gemm2, 2 * t * k * h * inter, args.top)
+                sweep(timer, f"{name} {family} T={t} gemm1", tactics, gemm1, 2 * t * k * 2 * inter * h, args.top,
+                      args.only)
+                sweep(timer, f"{name} {family} T={t} gemm2", tactics, gemm2, 2 * t * k * h * inter, args.top,
+                      args.only)
 
 
 def model_weights(name):
@@ -99,8 +102,10 @@ def model_shapes(args, timer):
         w1, w2 = model_weights(name)
         for t in map(int, args.tokens.split(",")):
             for label, make in model_gemms(name, w1, w2, t).items():
+                if args.gemms and label not in args.gemms:
+                    continue
                 flops = 2 * t * k * inter * h * (2 if label == "gemm1" else 1)
-                sweep(timer, f"{name} bf16 T={t} {label}", tactics, make, flops, args.top)
+                sweep(timer, f"{name} bf16 T={t} {label}", tactics, make, flops, args.top, args.only)
 
 
 def main():
@@ -111,7 +116,12 @@ def main():
     p.add_argument("--tokens", default="8,2048,8192")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--top", type=int, default=5, help="fastest tactics printed per GEMM")
+    p.add_argument("--only", default="", help="comma-separated tactic names: time these (and -1, -2) only")
+    p.add_argument("--gemms", default="", help="model shapes: comma-separated 'gemm1', 'gemm2', "
+                                               "'gemm2 fused finalize' (default: all three)")
     args = p.parse_args()
+    args.only = tuple(filter(None, args.only.split(",")))
+    args.gemms = tuple(filter(None, args.gemms.split(",")))
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     timer = Timer("cuda", args.reps, 2)
     stepfun_shapes(args, timer)

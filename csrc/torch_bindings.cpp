@@ -204,6 +204,7 @@ bool epilogue_twin_named(const std::string& name, cake::EpilogueTwin* twin) {
   if (name == "none") *twin = cake::EpilogueTwin::kNone;
   else if (name == "swiglu") *twin = cake::EpilogueTwin::kSwiGlu;
   else if (name == "scatter") *twin = cake::EpilogueTwin::kScatter;
+  else if (name == "gather_swiglu") *twin = cake::EpilogueTwin::kGatherSwiGlu;
   else return false;
   return true;
 }
@@ -215,7 +216,8 @@ PyObject* grouped_gemm_epilogue_twins(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "ss", &family, &kind)) return nullptr;
   cake::EpilogueTwin twin;
   if (!epilogue_twin_named(kind, &twin) || twin == cake::EpilogueTwin::kNone) {
-    PyErr_SetString(PyExc_ValueError, "grouped_gemm_epilogue_twins: kind must be 'swiglu' or 'scatter'");
+    PyErr_SetString(PyExc_ValueError,
+                    "grouped_gemm_epilogue_twins: kind must be 'swiglu', 'scatter' or 'gather_swiglu'");
     return nullptr;
   }
   try {
@@ -354,7 +356,8 @@ PyMethodDef methods[] = {
      "Names of the SM90 kernel configurations of a family (fwd, dgrad, wgrad, wgrad_f32)."},
     {"grouped_gemm_epilogue_twins", grouped_gemm_epilogue_twins, METH_VARARGS,
      "grouped_gemm_epilogue_twins(family, kind): fwd tactics whose tile also runs with the MoE GEMM1's SwiGLU "
-     "(kind 'swiglu') or the MoE GEMM2's fused finalize ('scatter') as its epilogue."},
+     "(kind 'swiglu') or the MoE GEMM2's fused finalize ('scatter') as its epilogue, or the SwiGLU twin that "
+     "gathers its rows of x itself ('gather_swiglu')."},
     {"set_grouped_gemm_tactic", set_grouped_gemm_tactic, METH_VARARGS,
      "set_grouped_gemm_tactic(family, index): force a configuration; -1 restores the heuristic."},
     {"grouped_gemm_tactic_for", grouped_gemm_tactic_for, METH_VARARGS,

@@ -728,7 +728,8 @@ def test_grouped_gemm_kernels_are_hopper_wgmma():
         return {name.split("_raster")[0].split("_swz")[0] for name in tactics}
 
     families = ("fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3")
-    twins = {f: sum(len(configs(cake_ops._C.grouped_gemm_epilogue_twins(f, kind))) for kind in ("swiglu", "scatter"))
+    twins = {f: sum(len(configs(cake_ops._C.grouped_gemm_epilogue_twins(f, kind)))
+                    for kind in ("swiglu", "scatter", "gather_swiglu"))
              for f in ("fwd", "fwd_f16", "fwd_e4m3")}
     expected = len(configs(name for f in families for name in cake_ops._C.grouped_gemm_tactics(f))) + sum(twins.values())
     assert len(gemms) == expected, f"expected {expected} grouped GEMM kernels, found {len(gemms)}"

@@ -190,11 +190,11 @@ SWIGLU_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_64x256x64_c1x1", "pi
                                                                 "coop_128x256x128_c2x1"])}
 
 
-def ragged_gemm1_problem(dtype, limits, hidden=256):
+def ragged_gemm1_problem(dtype, limits, hidden=256, inter=192):
     """Routes already sorted by expert: 6 local experts with 0, 1, 130, 7, 300 (hot) and 45 rows, 117 of the
     600 routes dropped (an EP shard: the rows past the last expert's end); hidden 256 (or any multiple of 16
     bytes), I = 192 (2I = 384 is not a multiple of a 256-column tile)."""
-    t, k, inter = 300, 2, 192
+    t, k = 300, 2
     counts = [0, 1, 130, 7, 300, 45]
     kept = sum(counts)
     x = torch.randn(t, hidden).to(dtype if dtype != torch.float8_e4m3fn else torch.bfloat16)
@@ -212,16 +212,20 @@ def ragged_gemm1_problem(dtype, limits, hidden=256):
 
 @cuda_only
 @pytest.mark.parametrize("limits", [False, True], ids=["swiglu", "swiglu_step"])
-@pytest.mark.parametrize("dtype,hidden", [(torch.bfloat16, 256), (torch.float16, 256), (torch.float8_e4m3fn, 256),
-                                          (torch.bfloat16, 200), (torch.float16, 200)],
-                         ids=["bf16", "f16", "e4m3", "bf16_hidden200", "f16_hidden200"])
-def test_gemm1_swiglu_in_the_gemm_epilogue(dtype, hidden, limits):
+@pytest.mark.parametrize("dtype,hidden,inter", [(torch.bfloat16, 256, 192), (torch.float16, 256, 192),
+                                                (torch.float8_e4m3fn, 256, 192), (torch.bfloat16, 200, 192),
+                                                (torch.float16, 200, 192), (torch.bfloat16, 256, 1056),
+                                                (torch.float16, 200, 1056)],
+                         ids=["bf16", "f16", "e4m3", "bf16_hidden200", "f16_hidden200", "bf16_wide", "f16_wide"])
+def test_gemm1_swiglu_in_the_gemm_epilogue(dtype, hidden, inter, limits):
     """Each tile with a SwiGLU twin, forced: SwiGLU(Step) in the grouped GEMM's epilogue against the same tile's
     fwd GEMM (h rounded as it is stored) then the activation in float32 (16-bit families), and against the CPU
     op; empty, one-row, non-tile-multiple and hot groups; zero rows past the last expert's end. Hidden 200:
-    the last K block is partial (the TMA zero-fills the columns past K)."""
+    the last K block is partial (the TMA zero-fills the columns past K, the gathering mainloop its chunks).
+    I = 192: the cooperative tiles' gathering twins run (16-bit x, 2I <= 2048); I = 1056 (2I = 2112): the
+    SwiGLU twins over a gathered copy of x."""
     family, prefix, tiles = SWIGLU_TWINS[dtype]
-    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(dtype, limits, hidden)
+    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(dtype, limits, hidden, inter)
     want_cpu = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, lim, -1, *scales)
     cuda = [v.cuda() for v in (x, w1, p2e, offsets)]
     lim_cuda = lim.cuda() if limits else None
@@ -287,8 +291,17 @@ SCATTER_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_128x128x64_c1x1", "
                  torch.float16: SWIGLU_TWINS[torch.float16]}
 
 
+# GEMM1's gathering twins: the 16-bit cooperative SwiGLU twins whose mainloop reads the routes' rows of x itself
+# (moe_gemm1_swiglu runs them up to 2I = 2048 instead of gathering x into a copy first; e4m3 x is quantized by that
+# gather).
+GATHER_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["coop_128x256x64_c1x2", "coop_128x256x64_c2x1",
+                                                      "fixed_coop_128x256x64_c1x2", "fixed_coop_128x256x64_c2x1"]),
+                torch.float16: ("fwd_f16", "fwd_f16_", ["coop_128x256x64_c1x2", "coop_128x256x64_c2x1"])}
+
+
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_epilogue_twins"), reason="built without CUDA kernels")
-@pytest.mark.parametrize("kind,twins", [("swiglu", SWIGLU_TWINS), ("scatter", SCATTER_TWINS)])
+@pytest.mark.parametrize("kind,twins", [("swiglu", SWIGLU_TWINS), ("scatter", SCATTER_TWINS),
+                                        ("gather_swiglu", GATHER_TWINS)])
 def test_epilogue_twins_pair_with_their_fwd_tiles(kind, twins):
     """Twins are found by name (a fwd configuration's, swiglu_ / scatter_ for fwd_): each listed tile has one in
     every tile order, and no other tile does (a renamed configuration would silently lose its twin)."""
@@ -475,12 +488,15 @@ def test_decode_kernel_quantizes_bf16_x(case, static_scale):
 
 
 @cuda_only
-@pytest.mark.parametrize("tactic", [0, -2], ids=["grouped_gemm", "decode"])
+@pytest.mark.parametrize("tactic", [0, "fwd_bf16_coop_128x256x64_c1x2", -2], ids=["gather_kernel", "gemm_gathers", "decode"])
 def test_bad_gather_indices_on_gpu_fail_loudly(tactic):
     """A permuted_to_expanded index out of range stops the kernel (never a silent answer): the
-    grouped GEMM path's gather asserts with the op's message; the decode kernel traps (a call such
-    as an assert's would serialize its wgmmas, ptxas C7510), an unspecified launch failure. Either
-    ends the CUDA context, so this runs in a child process."""
+    gather kernel (before a tile without a gathering twin) asserts with the op's message; the
+    gathering GEMM and the decode kernel trap (a call such as an assert's would serialize their
+    wgmmas, ptxas C7510), an unspecified launch failure. Either ends the CUDA context, so this runs
+    in a child process."""
+    if isinstance(tactic, str):
+        tactic = cake_ops._C.grouped_gemm_tactics("fwd").index(tactic)
     script = textwrap.dedent(f"""
         import torch, cake_ops
         from cake_ops.fused_moe import interleave_up_gate_sm90

@@ -51,6 +51,7 @@ struct TwinLaunch {
   EpilogueTwin twin = EpilogueTwin::kNone;
   const float* swiglu_limits = nullptr;
   GroupedGemmParams::Scatter scatter;
+  GroupedGemmParams::Gather gather;
 };
 
 // With a twin (fwd only), the chosen tactic's twin runs instead of it; false, with nothing launched,
@@ -89,6 +90,7 @@ bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
   p.b_scale = scales.b;
   p.swiglu_limits = twin.swiglu_limits;
   p.scatter = twin.scatter;
+  p.gather = twin.gather;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(p.device);
   switch (arch) {
     case KernelArch::kSm90: {
@@ -145,6 +147,30 @@ bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a
   twin.twin = EpilogueTwin::kSwiGlu;
   twin.swiglu_limits = limits;
   return launch_with(Op::kFwd, s, a, b, offs, out, workspace, op, pdl, zero_tail, tactic, scales, twin);
+}
+
+bool run_grouped_gemm_gather_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& x, const at::Tensor& b,
+                                         const at::Tensor& offs, const int32_t* rows_to_routes, int64_t routes,
+                                         int top_k, at::Tensor& out, const float* limits, const char* op, bool pdl,
+                                         int64_t tactic, at::Tensor& workspace, bool zero_tail) {
+  TORCH_CHECK(s.n % 64 == 0 && out.size(0) == s.sum_m && out.size(1) == s.n / 2 && x.dim() == 2 &&
+                  x.size(1) == s.k && x.is_contiguous() && x.size(0) * top_k == routes,
+              op, ": the gathering SwiGLU GEMM needs N % 64 == 0, x [routes / top_k, K] and a [sum_m, N / 2] output "
+              "(internal error)");
+  if (x.scalar_type() == at::kFloat8_e4m3fn) return false;  // e4m3 x is quantized on its way: no twin
+  // Gathering in the mainloop makes the cooperative tile's GEMM ~8% slower (its producer warps issue A's
+  // copies one 16-byte chunk at a time) and saves the gather kernel, whose share of GEMM1 goes as 1 / N:
+  // H200, session 22, Qwen3-30B (N = 1536) T=16384 -3.7% end to end, Qwen3-235B (N = 3072) even
+  // (benchmarks/NOTES.md). So only up to N = 2048.
+  constexpr int64_t kGatherMaxN = 2048;
+  if (s.n > kGatherMaxN) return false;
+  TwinLaunch twin;
+  twin.twin = EpilogueTwin::kGatherSwiGlu;
+  twin.swiglu_limits = limits;
+  twin.gather.rows_to_routes = rows_to_routes;
+  twin.gather.routes = routes;
+  twin.gather.top_k = top_k;
+  return launch_with(Op::kFwd, s, x, b, offs, out, workspace, op, pdl, zero_tail, tactic, {}, twin);
 }
 
 bool run_grouped_gemm_scatter_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,

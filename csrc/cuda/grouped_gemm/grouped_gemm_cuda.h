@@ -34,6 +34,15 @@ bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a
                                   bool pdl, int64_t tactic, at::Tensor& workspace, bool zero_tail,
                                   GroupedGemmScales scales = {});
 
+// The MoE GEMM1 with its gather in the same kernel: as run_grouped_gemm_swiglu_cuda, but product row p
+// multiplies x[rows_to_routes[p] / top_k] (x [routes / top_k, K], 16-bit; rows_to_routes int32 [sum_m],
+// checked in [0, routes) on the device): `s` describes the gathered operand [sum_m, K]. False, with
+// nothing launched, when the tactic has no gathering twin (the caller gathers, then runs the above).
+bool run_grouped_gemm_gather_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& x, const at::Tensor& b,
+                                         const at::Tensor& offs, const int32_t* rows_to_routes, int64_t routes,
+                                         int top_k, at::Tensor& out, const float* limits, const char* op, bool pdl,
+                                         int64_t tactic, at::Tensor& workspace, bool zero_tail);
+
 // The MoE GEMM2 with the fused finalize in one kernel: the scatter twin of the fwd tactic zeroes out
 // [num_tokens, N], then adds row p of the product, rounded to out's type and scaled by
 // route_scales[r] (rounded again), into out[r / top_k] with r = rows_to_routes[p] (int32 [num_tokens *

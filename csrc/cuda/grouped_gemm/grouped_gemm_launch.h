@@ -53,6 +53,13 @@ struct GroupedGemmParams {
     const int32_t* rows_to_routes = nullptr;
     const float* route_scales = nullptr;
   } scatter;
+  // Gather-SwiGLU twins (the SwiGLU twin whose mainloop gathers A): a is x [routes / top_k, K], and
+  // product row p multiplies x[rows_to_routes[p] / top_k], rows_to_routes[p] in [0, routes).
+  struct Gather {
+    const int32_t* rows_to_routes = nullptr;
+    int64_t routes = 0;
+    int top_k = 1;
+  } gather;
 };
 
 using GroupedGemmLaunchFn = void (*)(const GroupedGemmParams&, cudaStream_t);

@@ -23,6 +23,7 @@
 
 #include "cuda/common/pdl.cuh"
 #include "cuda/grouped_gemm/fixed_operand_sm90.cuh"
+#include "cuda/grouped_gemm/gather_mainloop_sm90.cuh"
 #include "cuda/grouped_gemm/grouped_gemm_launch.h"
 #include "cuda/grouped_gemm/scatter_epilogue_sm90.cuh"
 #include "cuda/grouped_gemm/store_epilogue_sm90.cuh"
@@ -40,12 +41,15 @@ using namespace cute;
 // kFwdSwiGlu is fwd with the MoE GEMM1's SwiGLU in the epilogue (swiglu_epilogue_sm90.cuh): out
 // is [sum_m, N / 2]. kFwdScatter is fwd with the MoE GEMM2's fused finalize in the epilogue
 // (scatter_epilogue_sm90.cuh): GroupedGemmParams::scatter.out [num_tokens, N] instead of out.
-enum class Kind { kFwd, kDgrad, kWgrad, kFwdSwapAB, kDgradSwapAB, kFwdSwiGlu, kFwdScatter };
+// kFwdGatherSwiGlu is kFwdSwiGlu whose A rows are gathered from the MoE's x by the mainloop
+// (gather_mainloop_sm90.cuh, GroupedGemmParams::gather): a is x, not the gathered rows.
+enum class Kind { kFwd, kDgrad, kWgrad, kFwdSwapAB, kDgradSwapAB, kFwdSwiGlu, kFwdScatter, kFwdGatherSwiGlu };
 
 constexpr bool is_swap_ab(Kind k) { return k == Kind::kFwdSwapAB || k == Kind::kDgradSwapAB; }
 // The op a kind computes (fwd, dgrad or wgrad), whatever its operand order or epilogue.
 constexpr Kind op_of(Kind k) {
-  return k == Kind::kFwdSwapAB || k == Kind::kFwdSwiGlu || k == Kind::kFwdScatter ? Kind::kFwd
+  return k == Kind::kFwdSwapAB || k == Kind::kFwdSwiGlu || k == Kind::kFwdScatter || k == Kind::kFwdGatherSwiGlu
+             ? Kind::kFwd
          : k == Kind::kDgradSwapAB                                               ? Kind::kDgrad
                                                                                  : k;
 }
@@ -130,7 +134,8 @@ struct GroupedGemmConfig {
   static constexpr int kAlignIn = 128 / cutlass::sizeof_bits<ElementIn>::value;
   static constexpr int kAlignOut = 128 / cutlass::sizeof_bits<ElementOut>::value;
 
-  static constexpr bool kSwiGlu = kKind == Kind::kFwdSwiGlu;
+  static constexpr bool kGather = kKind == Kind::kFwdGatherSwiGlu;
+  static constexpr bool kSwiGlu = kKind == Kind::kFwdSwiGlu || kGather;
   static constexpr bool kScatter = kKind == Kind::kFwdScatter;
   static constexpr bool kFixed = fixed_operands<Schedule>();
   static_assert(!kFixed || !is_swap_ab(kKind), "fixed operands: a group's rows are never the tile's N side");
@@ -159,10 +164,12 @@ struct GroupedGemmConfig {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
       ElementIn, LayoutB*, kAlignIn, ElementAccumulator, TileShape_, ClusterShape_,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+          sizeof(typename CollectiveEpilogue::SharedStorage) +
+          (kGather ? cute::size<0>(TileShape_{}) * sizeof(const char*) : 0))>,  // the gather's row table
       typename Schedule::KernelSchedule>::CollectiveOp;
-  using CollectiveMainloop =
+  using PlainMainloop =
       std::conditional_t<kFixed, FixedOperandMainloop<BuiltMainloop, op_of(kKind) == Kind::kWgrad>, BuiltMainloop>;
+  using CollectiveMainloop = std::conditional_t<kGather, GatherAMainloop<PlainMainloop, kFixed>, PlainMainloop>;
 
   using Kernel = WaitForPredecessor<
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
@@ -234,7 +241,8 @@ __device__ void write_group_arguments(const GroupedGemmParams& p, const GroupArr
     ga = b + e * p.n * p.k, gb = a + start * p.n, gd = d + start * p.k;
   } else if constexpr (kKind == Kind::kFwd) {
     gm = m, gn = n, gk = k;
-    ga = a + start * p.k, gb = b + e * p.n * p.k, gd = d + start * (Config::kSwiGlu ? p.n / 2 : p.n);
+    ga = Config::kGather ? a : a + start * p.k;  // gathered: the mainloop reads x's rows itself
+    gb = b + e * p.n * p.k, gd = d + start * (Config::kSwiGlu ? p.n / 2 : p.n);
   } else if constexpr (kKind == Kind::kDgrad) {
     gm = m, gn = k, gk = n;
     ga = a + start * p.n, gb = b + e * p.n * p.k, gd = d + start * p.k;
@@ -352,7 +360,15 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(E), arr.shapes, nullptr};
-  if constexpr (Config::kFixed) {
+  if constexpr (Config::kFixed && Config::kGather) {
+    // B as below; A's descriptor (over x's rows) is never loaded through: the mainloop gathers A's rows.
+    const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
+    args.mainloop = {{static_cast<const typename Config::ElementIn*>(p.a),
+                      static_cast<const typename Config::ElementIn*>(p.b),
+                      static_cast<int32_t>(p.gather.routes / p.gather.top_k), static_cast<int32_t>(p.n),
+                      static_cast<int32_t>(p.k), static_cast<int32_t>(E), p.offs, p.indptr},
+                     {p.a, p.k, ends, p.gather.rows_to_routes, p.gather.routes, p.gather.top_k}};
+  } else if constexpr (Config::kFixed) {
     // Every group's rows of A from x / grad_out, every expert's B from w (write_group_arguments' table);
     // wgrad: A = grad_out and B = x, both [sum_m, *], and (n, k) are the group's CUTLASS M and N.
     const bool dgrad = Config::op == Kind::kDgrad;
@@ -360,7 +376,14 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
                      static_cast<int32_t>(p.sum_m), static_cast<int32_t>(dgrad ? p.k : p.n),
                      static_cast<int32_t>(dgrad ? p.n : p.k), static_cast<int32_t>(E), p.offs, p.indptr};
   } else {
-    args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
+    args.mainloop.ptr_A = arr.ptr_a;
+    args.mainloop.dA = arr.stride_a;
+    args.mainloop.ptr_B = arr.ptr_b;
+    args.mainloop.dB = arr.stride_b;
+    if constexpr (Config::kGather) {
+      const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
+      args.mainloop.gather = {p.a, p.k, ends, p.gather.rows_to_routes, p.gather.routes, p.gather.top_k};
+    }
   }
   if constexpr (Config::kSwiGlu) {
     args.epilogue = {arr.ptr_d, arr.stride_d, Config::kScaled ? arr.alpha : nullptr, p.swiglu_limits};
@@ -425,3 +448,4 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   }
 #define CAKE_SWIGLU_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG
 #define CAKE_SCATTER_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG
+#define CAKE_GATHER_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG

@@ -20,7 +20,9 @@ namespace sm90 {
 #define CAKE_GG_CONFIG(name, ...) void grouped_gemm_##name(const GroupedGemmParams& p, cudaStream_t stream);
 #define CAKE_SWIGLU_CONFIG CAKE_GG_CONFIG
 #define CAKE_SCATTER_CONFIG CAKE_GG_CONFIG
+#define CAKE_GATHER_CONFIG CAKE_GG_CONFIG
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_GATHER_CONFIG
 #undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
@@ -49,18 +51,22 @@ int64_t choice_rows(const GroupedGemmShape& s) {
 }
 
 BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin) {
+  if (twin == EpilogueTwin::kGatherSwiGlu) twin = EpilogueTwin::kSwiGlu;  // one choice for both
   int64_t rows = 1;
   while (rows < choice_rows(s)) rows *= 2;
   return {static_cast<int>(family), s.num_groups, rows, s.n, s.k, static_cast<int>(twin)};
 }
 
 std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
-  // Every epilogue twin configuration by name: fwd_<tile> has swiglu_<tile> and scatter_<tile>.
+  // Every epilogue twin configuration by name: fwd_<tile> has swiglu_<tile>, scatter_<tile> and
+  // gather_swiglu_<tile>.
   std::map<std::string, GroupedGemmLaunchFn> twins;
 #define CAKE_GG_CONFIG(name, ...)
 #define CAKE_SWIGLU_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
 #define CAKE_SCATTER_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
+#define CAKE_GATHER_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_GATHER_CONFIG
 #undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
@@ -80,16 +86,19 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
     // Each configuration with the default tile order first (what the heuristic names), then
     // along N, and both with 4-tile swizzles: the autotuner's extra choices.
     auto& table = tables[static_cast<int>(family)];
-    const GroupedGemmLaunchFn swiglu = twin(name, "swiglu_"), scatter = twin(name, "scatter_");
-    table.push_back({name, fn, false, 1, swiglu, scatter});
-    table.push_back({std::string(name) + "_rasterN", fn, true, 1, swiglu, scatter});
-    table.push_back({std::string(name) + "_swz4", fn, false, 4, swiglu, scatter});
-    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4, swiglu, scatter});
+    const GroupedGemmLaunchFn swiglu = twin(name, "swiglu_"), scatter = twin(name, "scatter_"),
+                              gather = twin(name, "gather_swiglu_");
+    table.push_back({name, fn, false, 1, swiglu, scatter, gather});
+    table.push_back({std::string(name) + "_rasterN", fn, true, 1, swiglu, scatter, gather});
+    table.push_back({std::string(name) + "_swz4", fn, false, 4, swiglu, scatter, gather});
+    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4, swiglu, scatter, gather});
   };
 #define CAKE_GG_CONFIG(name, ...) add(#name, &sm90::grouped_gemm_##name);
 #define CAKE_SWIGLU_CONFIG(name, ...)
 #define CAKE_SCATTER_CONFIG(name, ...)
+#define CAKE_GATHER_CONFIG(name, ...)
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_GATHER_CONFIG
 #undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
@@ -251,6 +260,8 @@ GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin) 
       return tactic.swiglu_twin;
     case EpilogueTwin::kScatter:
       return tactic.scatter_twin;
+    case EpilogueTwin::kGatherSwiGlu:
+      return tactic.gather_swiglu_twin;
     default:
       return tactic.launch;
   }

@@ -25,6 +25,7 @@ struct Tactic {
   // tables are built; null where it has none.
   GroupedGemmLaunchFn swiglu_twin = nullptr;
   GroupedGemmLaunchFn scatter_twin = nullptr;
+  GroupedGemmLaunchFn gather_swiglu_twin = nullptr;
 };
 
 TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::ScalarType out_dtype);
@@ -32,8 +33,9 @@ TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::Scalar
 TacticFamily tactic_family(const std::string& name);
 const std::vector<Tactic>& tactics_sm90(TacticFamily family);
 // Twins of fwd configurations (configs_sm90.inc): the same tile with the MoE GEMM1's SwiGLU, or the
-// MoE GEMM2's fused finalize, as its epilogue.
-enum class EpilogueTwin { kNone, kSwiGlu, kScatter };
+// MoE GEMM2's fused finalize, as its epilogue; kGatherSwiGlu is the SwiGLU twin that also gathers its
+// A rows (chosen, tuned and bucketed as the SwiGLU twin: only epilogue_twin_sm90 tells them apart).
+enum class EpilogueTwin { kNone, kSwiGlu, kScatter, kGatherSwiGlu };
 // The twin of a fwd tactic's configuration (run in the tactic's tile order), or null where the
 // configuration has none.
 GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin);

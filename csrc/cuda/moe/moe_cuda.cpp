@@ -285,6 +285,16 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   auto h = workspace.narrow(0, layout.h_offset, layout.h_bytes).view(h_dtype).view({s.rows, 2 * s.intermediate});
   auto gemm_workspace = workspace.narrow(0, layout.gemm_offset, layout.gemm_bytes);
 
+  auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
+  shape.expected_rows = expected_rows;
+  const float* limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
+  // 16-bit x: the GEMM's mainloop reads the routes' rows of x itself, where the chosen tile has such a twin.
+  if (!quantize_x && run_grouped_gemm_gather_swiglu_cuda(shape, x, w1, expert_offsets,
+                                                         permuted_to_expanded.data_ptr<int32_t>(), s.rows,
+                                                         static_cast<int>(top_k), out, limits, op, enable_pdl,
+                                                         tactic, gemm_workspace, zero_tail)) {
+    return;
+  }
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
   auto* inverse = reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + layout.inverse_offset);
   c10::optional<at::Tensor> gathered_scale = x_scale;
@@ -301,11 +311,8 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                           static_cast<int>(top_k), num_kept, s.rows, gathered.data_ptr(), inverse, stream,
                           enable_pdl);
   }
-  auto shape = check_fwd(gathered, w1, expert_offsets, op, /*allow_e4m3=*/true);
-  shape.expected_rows = expected_rows;
   at::Tensor w1_scale_contiguous;
   const auto scales = gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous);
-  const float* limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
   // The SwiGLU in the GEMM's epilogue, where the chosen tile has such a twin: h is never stored.
   if (run_grouped_gemm_swiglu_cuda(shape, gathered, w1, expert_offsets, out, limits, op, enable_pdl, tactic,
                                    gemm_workspace, zero_tail, scales)) {

@@ -360,30 +360,23 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   typename Gemm::Arguments args;
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(E), arr.shapes, nullptr};
-  if constexpr (Config::kFixed && Config::kGather) {
-    // B as below; A's descriptor (over x's rows) is never loaded through: the mainloop gathers A's rows.
-    const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
-    args.mainloop = {{static_cast<const typename Config::ElementIn*>(p.a),
-                      static_cast<const typename Config::ElementIn*>(p.b),
-                      static_cast<int32_t>(p.gather.routes / p.gather.top_k), static_cast<int32_t>(p.n),
-                      static_cast<int32_t>(p.k), static_cast<int32_t>(E), p.offs, p.indptr},
-                     {p.a, p.k, ends, p.gather.rows_to_routes, p.gather.routes, p.gather.top_k}};
-  } else if constexpr (Config::kFixed) {
+  // The base mainloop's arguments (the gathering mainloop's derive from them).
+  auto& mainloop_args = static_cast<typename Config::PlainMainloop::Arguments&>(args.mainloop);
+  if constexpr (Config::kFixed) {
     // Every group's rows of A from x / grad_out, every expert's B from w (write_group_arguments' table);
     // wgrad: A = grad_out and B = x, both [sum_m, *], and (n, k) are the group's CUTLASS M and N.
+    // Gathered: A's descriptor spans x's rows and is never loaded through (the mainloop copies A's rows).
     const bool dgrad = Config::op == Kind::kDgrad;
-    args.mainloop = {static_cast<const typename Config::ElementIn*>(p.a), static_cast<const typename Config::ElementIn*>(p.b),
-                     static_cast<int32_t>(p.sum_m), static_cast<int32_t>(dgrad ? p.k : p.n),
+    const int64_t a_rows = Config::kGather ? p.gather.routes / p.gather.top_k : p.sum_m;
+    mainloop_args = {static_cast<const typename Config::ElementIn*>(p.a), static_cast<const typename Config::ElementIn*>(p.b),
+                     static_cast<int32_t>(a_rows), static_cast<int32_t>(dgrad ? p.k : p.n),
                      static_cast<int32_t>(dgrad ? p.n : p.k), static_cast<int32_t>(E), p.offs, p.indptr};
   } else {
-    args.mainloop.ptr_A = arr.ptr_a;
-    args.mainloop.dA = arr.stride_a;
-    args.mainloop.ptr_B = arr.ptr_b;
-    args.mainloop.dB = arr.stride_b;
-    if constexpr (Config::kGather) {
-      const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
-      args.mainloop.gather = {p.a, p.k, ends, p.gather.rows_to_routes, p.gather.routes, p.gather.top_k};
-    }
+    mainloop_args = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
+  }
+  if constexpr (Config::kGather) {
+    const int32_t* ends = p.offs + (p.indptr ? 1 : 0);
+    args.mainloop.gather = {p.a, p.k, ends, p.gather.rows_to_routes, p.gather.routes, p.gather.top_k};
   }
   if constexpr (Config::kSwiGlu) {
     args.epilogue = {arr.ptr_d, arr.stride_d, Config::kScaled ? arr.alpha : nullptr, p.swiglu_limits};

@@ -200,6 +200,9 @@ PyObject* grouped_gemm_tactics(PyObject*, PyObject* arg) {
 
 // "none", "swiglu" (the MoE GEMM1 in one kernel) or "scatter" (the MoE GEMM2 with the fused
 // finalize) -> the epilogue twin; false for any other name.
+// The names epilogue_twin_named accepts, for error messages.
+constexpr const char* kEpilogueTwinNames = "none, swiglu, gather_swiglu or scatter";
+
 bool epilogue_twin_named(const std::string& name, cake::EpilogueTwin* twin) {
   if (name == "none") *twin = cake::EpilogueTwin::kNone;
   else if (name == "swiglu") *twin = cake::EpilogueTwin::kSwiGlu;
@@ -260,7 +263,7 @@ PyObject* grouped_gemm_tactic_for(PyObject*, PyObject* args) {
   try {
     cake::EpilogueTwin twin;
     TORCH_CHECK(epilogue_twin_named(epilogue, &twin),
-                "grouped_gemm_tactic_for: epilogue must be none, swiglu or scatter, got '", epilogue, "'");
+                "grouped_gemm_tactic_for: epilogue must be ", kEpilogueTwinNames, ", got '", epilogue, "'");
     cake::GroupedGemmShape s{e, sum_m, n, k, false, expected_rows};
     return PyLong_FromLong(cake::choose_tactic_sm90(cake::tactic_family(family), s, twin));
   } catch (const c10::Error& err) {
@@ -280,7 +283,7 @@ PyObject* set_grouped_gemm_tuned_tactic(PyObject*, PyObject* args) {
   try {
     cake::EpilogueTwin twin;
     TORCH_CHECK(epilogue_twin_named(epilogue, &twin),
-                "set_grouped_gemm_tuned_tactic: epilogue must be none, swiglu or scatter, got '", epilogue, "'");
+                "set_grouped_gemm_tuned_tactic: epilogue must be ", kEpilogueTwinNames, ", got '", epilogue, "'");
     cake::set_tuned_tactic(cake::tactic_family(family), cake::GroupedGemmShape{e, sum_m, n, k, false},
                            tactic, twin);
   } catch (const c10::Error& err) {

@@ -358,7 +358,7 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
         assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "scatter") == tuned_scatter
         assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "none") == tuned_plain
         assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "swiglu") == heuristic["swiglu"]  # untuned
-        with pytest.raises(ValueError, match="epilogue must be none, swiglu or scatter, got 'gelu'"):
+        with pytest.raises(ValueError, match="epilogue must be none, swiglu, gather_swiglu or scatter, got 'gelu'"):
             cake_ops._C.set_grouped_gemm_tuned_tactic("fwd", e, m, n, k, 0, "gelu")
         cake_ops.clear_tuning()
         assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "scatter") == heuristic["scatter"]
@@ -441,7 +441,7 @@ def test_heuristic_expected_rows():
     assert tactic_for("fwd", 48, 8192, 4096, 7168, -1) == tactic_for("fwd", 48, 8192, 4096, 7168)
     # A hint above sum_m counts as sum_m.
     assert tactic_for("fwd", 48, 1024, 4096, 7168, 8192) == tactic_for("fwd", 48, 1024, 4096, 7168)
-    with pytest.raises(ValueError, match="epilogue must be none, swiglu or scatter, got 'gelu'"):
+    with pytest.raises(ValueError, match="epilogue must be none, swiglu, gather_swiglu or scatter, got 'gelu'"):
         tactic_for("fwd", 48, 1024, 4096, 7168, -1, "gelu")
 
 

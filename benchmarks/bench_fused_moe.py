@@ -2,6 +2,7 @@
 
     python benchmarks/bench_fused_moe.py                       # the issue-4 models and token counts
     python benchmarks/bench_fused_moe.py --models qwen3_30b --tokens 1,4096 --json out.json --plot out.png
+    python benchmarks/bench_fused_moe.py --from-json a.json,b.json --json all.json --plot all.png  # runs merged
 
 Per (model, T): cake with the fused and the deterministic finalize, eager and as CUDA-graph
 replays; the plain PyTorch pipeline (stable sort, torch._grouped_mm for both GEMMs, SwiGLU,
@@ -179,11 +180,12 @@ def plot_panels(panels, series, path):
     fig.savefig(path, dpi=110)
 
 
-def write_results(path, device, summary, rows, reps):
-    result = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
-                       "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                       "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": reps},
-              "summary": summary, "rows": rows}
+def write_results(path, device, summary, rows, reps, sources=None):
+    """sources: the meta of the runs whose rows these are (--from-json), kept instead of this process's."""
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": reps}
+    result = {"meta": {"merged_from": sources} if sources else meta, "summary": summary, "rows": rows}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -209,13 +211,23 @@ def main():
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
+    p.add_argument("--from-json", default="",
+                   help="comma-separated JSON files of earlier runs (say, one per model where the compiled peer's "
+                        "compiles take a call each): print, summarize and plot their rows instead of measuring")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     print(HEADER)
-    device, rows = run(args)
+    if args.from_json:
+        runs = [json.load(open(path)) for path in args.from_json.split(",")]
+        device, rows = runs[0]["meta"]["device"], [r for run in runs for r in run["rows"]]
+        for r in rows:
+            print_row(r)
+    else:
+        device, rows = run(args)
     summary = summarize(rows, SUMMARY_KEYS)
     if args.json:
-        write_results(args.json, device, summary, rows, args.reps)
+        write_results(args.json, device, summary, rows, args.reps,
+                      sources=[run["meta"] for run in runs] if args.from_json else None)
     if args.plot:
         models = sorted({r["model"] for r in rows}, key=[r["model"] for r in rows].index)
         plot_panels([(m, [r for r in rows if r["model"] == m]) for m in models], SERIES, args.plot)

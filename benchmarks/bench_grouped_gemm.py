@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import math
+import random
 import statistics
 import time
 import zlib
@@ -59,7 +60,9 @@ def group_sizes(e, sum_m, dist):
 
 class Timer:
     """Median times of several callables measured in rotation (rep 1 of each, then rep 2 of
-    each, ...), so clock and temperature drift over a long run biases none of them."""
+    each, ...), so clock and temperature drift over a long run biases none of them. Each rep
+    takes them in a new (seeded) order: a fixed order gave the first callable the state the last
+    one left (a 16% slower MoE GEMM1 tactic, timed first after the slowest tile, in one sweep)."""
 
     def __init__(self, device, reps, warmup):
         self.device, self.reps, self.warmup = device, reps, warmup
@@ -95,8 +98,11 @@ class Timer:
             except (RuntimeError, TypeError) as exc:  # a peer that cannot run this case
                 out[name] = str(exc).split("\n")[0][:120]
         times = {name: [] for name in runs}
+        order, shuffle = list(runs), random.Random(len(runs)).shuffle
         for _ in range(self.reps):
-            for name, (fn, setup) in runs.items():
+            shuffle(order)
+            for name in order:
+                fn, setup = runs[name]
                 if setup:
                     setup()
                 if self.device == "cuda":

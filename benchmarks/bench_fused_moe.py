@@ -7,8 +7,9 @@
 Per (model, T): cake with the fused and the deterministic finalize, eager and as CUDA-graph
 replays; the plain PyTorch pipeline (stable sort, torch._grouped_mm for both GEMMs, SwiGLU,
 index_add combine; no host sync) eager and under torch.compile; and two floors: the weight bytes
-of the experts the routing touches / 4.8 TB/s, and the FLOPs / the dense torch.mm rate measured
-in the same run. Timings are medians over rotations (every peer once per round, graph replays of
+of the experts the routing touches / 4.8 TB/s, and the FLOPs / the rate of the dense torch.mm
+products of the same size (the model's widths, as many rows as kept routes, at least DENSE_MIN_ROWS),
+measured in the same run. Timings are medians over rotations (every peer once per round, graph replays of
 one captured call among the eager calls) after an L2 flush.
 """
 import argparse
@@ -33,6 +34,11 @@ MODELS = {
 CPU_MODELS = {"tiny": (16, 4, 128, 64, 16, 0), "tiny_ep": (32, 4, 128, 64, 8, 8)}
 TOKENS = [1, 16, 64, 256, 1024, 4096, 16384]
 CPU_TOKENS = [1, 16, 64]
+# The dense products behind the FLOP floor have the MoE's rows (the kept routes) but at least this
+# many: fewer rows make the dense product weight-bound, and its rate no longer a rate of FLOPs. The
+# same size matters at the top: Qwen3-235B's widths ran at 771 TFLOP/s with 16384 rows and 715 with
+# the 131072 of T=16384 (a 6 ms product runs under the power cap, as the MoE call does).
+DENSE_MIN_ROWS = 16384
 
 
 def torch_moe(x, ids, scales, w1_gate_up, w2, num_local, offset):
@@ -70,6 +76,15 @@ def dense_rate(timer, m, h, inter, device):
     return 2.0 * m * h * 3 * inter / ms / 1e9
 
 
+def dense_rate_for(timer, rates, routes, h, inter, device):
+    """(TFLOP/s, rows) of the dense products the FLOP floor of `routes` kept routes divides by; rates
+    caches them by row count."""
+    rows = max(routes, DENSE_MIN_ROWS if device == "cuda" else 1)
+    if rows not in rates:
+        rates[rows] = dense_rate(timer, rows, h, inter, device)
+    return rates[rows], rows
+
+
 def run(args):
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     models = MODELS if device == "cuda" else CPU_MODELS
@@ -86,7 +101,7 @@ def run(args):
         w1 = (torch.randn(e_local, 2 * inter, h, device=device) / h**0.5).bfloat16()
         w2 = (torch.randn(e_local, h, inter, device=device) / inter**0.5).bfloat16()
         w1i = interleave_up_gate_sm90(w1)
-        rate = dense_rate(timer, min(16384, max(tokens) * k), h, inter, device)
+        rates = {}  # dense TFLOP/s by row count
         for t in tokens:
             seed_case(name, t)
             x = torch.randn(t, h, device=device).bfloat16()
@@ -95,9 +110,10 @@ def run(args):
             kept = ((local >= 0) & (local < e_local))
             touched = local[kept].unique().numel()
             flops = 2.0 * int(kept.sum()) * 3 * h * inter
+            rate, dense_rows = dense_rate_for(timer, rates, int(kept.sum()), h, inter, device)
             row = {"model": name, "T": t, "E": e, "top_k": k, "hidden": h, "I": inter, "E_local": e_local,
                    "weight_floor_ms": touched * 3 * h * inter * 2 / (HBM_TBPS * 1e12) * 1e3,
-                   "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate}
+                   "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate, "dense_rows": dense_rows}
 
             def cake(fused):
                 return lambda: fused_moe_bf16(x, ids, scales, w1i, w2, e, k, e_local, offset, use_fused_finalize=fused)

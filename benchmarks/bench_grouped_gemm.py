@@ -64,8 +64,13 @@ class Timer:
     takes them in a new (seeded) order: a fixed order gave the first callable the state the last
     one left (a 16% slower MoE GEMM1 tactic, timed first after the slowest tile, in one sweep)."""
 
-    def __init__(self, device, reps, warmup):
+    def __init__(self, device, reps, warmup, settle_s=None):
         self.device, self.reps, self.warmup = device, reps, warmup
+        # Before its timed reps a set of callables runs in rotation for settle_s seconds. The H200's
+        # power cap acts on a ~1 s average: a light case timed right after a heavy one ran at the
+        # heavy one's capped clocks (1400-1550 MHz instead of 1980; Mixtral T=1 0.216 ms after
+        # Qwen3-235B T=16384, 0.183 ms on its own). Settling times each case at its own clocks.
+        self.settle_s = (1.0 if device == "cuda" else 0.0) if settle_s is None else settle_s
         # Read before every timed call so that no operand sits in L2. A read, not a zero_(): a write
         # leaves ~50 MB of dirty lines that the timed call's first reads must write back (H200: +5 us
         # on a T=1 MoE forward), a cost no model step has ahead of its MoE layer.
@@ -97,6 +102,7 @@ class Timer:
                 runs[name] = (fn, setup)
             except (RuntimeError, TypeError) as exc:  # a peer that cannot run this case
                 out[name] = str(exc).split("\n")[0][:120]
+        self.settle(runs)
         times = {name: [] for name in runs}
         order, shuffle = list(runs), random.Random(len(runs)).shuffle
         for _ in range(self.reps):
@@ -119,6 +125,15 @@ class Timer:
                     times[name].append((time.perf_counter() - t0) * 1e3)
         out.update({name: statistics.median(t) for name, t in times.items()})
         return out
+
+    def settle(self, runs):
+        end = time.perf_counter() + self.settle_s
+        while runs and time.perf_counter() < end:
+            for fn, setup in runs.values():
+                if setup:
+                    setup()
+                fn()
+            torch.cuda.synchronize()
 
 
 def torch_grouped_mm(*args, **kwargs):

@@ -10,8 +10,8 @@ pipeline (topk + softmax routing, stable sort, torch._grouped_mm, SwiGLUStep, in
 bf16) eager; for bf16, fused_moe_bf16 (graph replay, routing outside it) for the issue's "bf16
 within 1.1x" target; for fp8 (weights quantized per expert, dynamic per-tensor activation scales),
 the ratio to the bf16 family's graph replay of the same run; and the weight floor (bytes of the
-experts touched, at the family's width, / 4.8 TB/s) and the FLOP floor (the dense bf16 torch.mm
-rate of the same run). Families this build does not run yet print their error.
+experts touched, at the family's width, / 4.8 TB/s) and the FLOP floor (the rate of dense bf16
+torch.mm products of the same size, measured in the same run, as bench_fused_moe.py's). Families this build does not run yet print their error.
 """
 import argparse
 import warnings
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import cake_ops
-from bench_fused_moe import dense_rate, plot_panels, summarize, write_results
+from bench_fused_moe import dense_rate_for, plot_panels, summarize, write_results
 from bench_grouped_gemm import HBM_TBPS, Timer, fmt, seed_case
 from cake_ops import stepfun_moe as sm
 from cake_ops.fused_moe import fused_moe_bf16
@@ -69,7 +69,7 @@ def run(args):
         e, k, h, inter = {**SHAPES, **CPU_SHAPES}[name]
         seed_case(name)
         w1, w2 = random_weights(e, h, inter, device)
-        rate = dense_rate(timer, min(16384, max(tokens) * k), h, inter, device)
+        rates = {}  # dense TFLOP/s by row count
         for family in args.families.split(","):
             try:
                 weights = sm.prepare_weights(w1, w2, LIMIT, family=family)
@@ -84,9 +84,11 @@ def run(args):
                 ids = torch.topk(logits, k, dim=-1).indices
                 touched = ids.unique().numel()
                 flops = 2.0 * t * k * 3 * h * inter
+                rate, dense_rows = dense_rate_for(timer, rates, t * k, h, inter, device)
                 row = {"shape": name, "family": family, "T": t, "E": e, "top_k": k, "hidden": h, "I": inter,
                        "weight_floor_ms": touched * 3 * h * inter * weights.w1.element_size() / (HBM_TBPS * 1e12) * 1e3,
-                       "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate}
+                       "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate,
+                       "dense_rows": dense_rows}
                 routed = sm.routing(logits, top_k=k, num_experts=e)
                 ids32, scales = routed.expert_ids, routed.expert_weights
                 prepared = sm.prepare_stepfun_moe(x, weights, logits, top_k=k)

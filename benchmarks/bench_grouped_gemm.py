@@ -11,7 +11,6 @@ import argparse
 import datetime
 import json
 import math
-import random
 import statistics
 import time
 import zlib
@@ -60,9 +59,11 @@ def group_sizes(e, sum_m, dist):
 
 class Timer:
     """Median times of several callables measured in rotation (rep 1 of each, then rep 2 of
-    each, ...), so clock and temperature drift over a long run biases none of them. Each rep
-    takes them in a new (seeded) order: a fixed order gave the first callable the state the last
-    one left (a 16% slower MoE GEMM1 tactic, timed first after the slowest tile, in one sweep)."""
+    each, ...), so clock and temperature drift over a long run biases none of them. The order is
+    fixed: each callable follows the same one every rep. (A seeded shuffle per rep made the CUDA-graph
+    replay of the one-shot stepfun_moe 15-27% slower than its eager call at T=2048 / 8192, not
+    understood: results/timer_order_h200.txt; a fixed order leaves a case after a much slower one,
+    as a sweep's first tactic, with that one's state.)"""
 
     def __init__(self, device, reps, warmup, settle_s=None):
         self.device, self.reps, self.warmup = device, reps, warmup
@@ -104,11 +105,8 @@ class Timer:
                 out[name] = str(exc).split("\n")[0][:120]
         self.settle(runs)
         times = {name: [] for name in runs}
-        order, shuffle = list(runs), random.Random(len(runs)).shuffle
         for _ in range(self.reps):
-            shuffle(order)
-            for name in order:
-                fn, setup = runs[name]
+            for name, (fn, setup) in runs.items():
                 if setup:
                     setup()
                 if self.device == "cuda":

@@ -60,10 +60,10 @@ def group_sizes(e, sum_m, dist):
 class Timer:
     """Median times of several callables measured in rotation (rep 1 of each, then rep 2 of
     each, ...), so clock and temperature drift over a long run biases none of them. The order is
-    fixed: each callable follows the same one every rep. (A seeded shuffle per rep made the CUDA-graph
-    replay of the one-shot stepfun_moe 15-27% slower than its eager call at T=2048 / 8192, not
-    understood: results/timer_order_h200.txt; a fixed order leaves a case after a much slower one,
-    as a sweep's first tactic, with that one's state.)"""
+    fixed: each callable follows the same one every rep. (A seeded shuffle per rep exposed that the
+    CUDA-graph replay of the one-shot stepfun_moe, PDL on, runs 1.2-1.6x slower than eager at large T
+    depending on what ran before it: NOTES.md session 27, item 3. A fixed order leaves a case after a
+    much slower one, as a sweep's first tactic, with that one's state.)"""
 
     def __init__(self, device, reps, warmup, settle_s=None):
         self.device, self.reps, self.warmup = device, reps, warmup

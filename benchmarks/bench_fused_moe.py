@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -109,8 +110,9 @@ def run(args):
             local = ids.long() - offset
             kept = ((local >= 0) & (local < e_local))
             touched = local[kept].unique().numel()
-            flops = 2.0 * int(kept.sum()) * 3 * h * inter
-            rate, dense_rows = dense_rate_for(timer, rates, int(kept.sum()), h, inter, device)
+            routes = int(kept.sum())
+            flops = 2.0 * routes * 3 * h * inter
+            rate, dense_rows = dense_rate_for(timer, rates, routes, h, inter, device)
             row = {"model": name, "T": t, "E": e, "top_k": k, "hidden": h, "I": inter, "E_local": e_local,
                    "weight_floor_ms": touched * 3 * h * inter * 2 / (HBM_TBPS * 1e12) * 1e3,
                    "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate, "dense_rows": dense_rows}
@@ -233,17 +235,18 @@ def main():
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     print(HEADER)
+    sources = None  # the merged runs' meta
     if args.from_json:
-        runs = [json.load(open(path)) for path in args.from_json.split(",")]
-        device, rows = runs[0]["meta"]["device"], [r for run in runs for r in run["rows"]]
+        runs = [json.loads(Path(path).read_text()) for path in args.from_json.split(",")]
+        sources = [run["meta"] for run in runs]
+        device, rows = sources[0]["device"], [r for run in runs for r in run["rows"]]
         for r in rows:
             print_row(r)
     else:
         device, rows = run(args)
     summary = summarize(rows, SUMMARY_KEYS)
     if args.json:
-        write_results(args.json, device, summary, rows, args.reps,
-                      sources=[run["meta"] for run in runs] if args.from_json else None)
+        write_results(args.json, device, summary, rows, args.reps, sources)
     if args.plot:
         models = sorted({r["model"] for r in rows}, key=[r["model"] for r in rows].index)
         plot_panels([(m, [r for r in rows if r["model"] == m]) for m in models], SERIES, args.plot)

@@ -11,7 +11,8 @@ bf16) eager; for bf16, fused_moe_bf16 (graph replay, routing outside it) for the
 within 1.1x" target; for fp8 (weights quantized per expert, dynamic per-tensor activation scales),
 the ratio to the bf16 family's graph replay of the same run; and the weight floor (bytes of the
 experts touched, at the family's width, / 4.8 TB/s) and the FLOP floor (the rate of dense bf16
-torch.mm products of the same size, measured in the same run, as bench_fused_moe.py's). Families this build does not run yet print their error.
+torch.mm products of the same size, measured in the same run, as bench_fused_moe.py's). Families
+this build does not run yet print their error.
 """
 import argparse
 import warnings

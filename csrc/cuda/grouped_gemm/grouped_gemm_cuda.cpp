@@ -54,6 +54,18 @@ struct TwinLaunch {
   GroupedGemmParams::Gather gather;
 };
 
+// Programmatic launch pays where a GEMM is short enough for its launch latency to count, and it
+// hurts a long GEMM that follows another one: on the H200 the CUDA-graph replay of the StepFun
+// chain (Step-3.5 bf16, T=8192: 65536 rows) ran 6.1-6.7 ms against 4.1-4.4 whenever GEMM1 and
+// GEMM2 both launched with PDL, and 4.2 with a plain kernel between them; at 16384 rows the
+// edge cost nothing (benchmarks/NOTES.md, session 28). Longer GEMMs launch plainly: a few
+// microseconds on a millisecond.
+constexpr int64_t kPdlMaxRows = 16384;
+
+bool launches_with_pdl(const GroupedGemmShape& s) {
+  return (s.expected_rows >= 0 ? s.expected_rows : s.sum_m) <= kPdlMaxRows;
+}
+
 // With a twin (fwd only), the chosen tactic's twin runs instead of it; false, with nothing launched,
 // when that tactic has none.
 bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
@@ -84,7 +96,7 @@ bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
   p.workspace_bytes = static_cast<int64_t>(workspace.nbytes());
   p.device = a.get_device();
   p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
-  p.pdl = pdl;
+  p.pdl = pdl && launches_with_pdl(s);
   p.zero_tail = zero_tail;
   p.a_scale = scales.a;
   p.b_scale = scales.b;

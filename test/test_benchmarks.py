@@ -49,3 +49,9 @@ def test_fused_moe_bench_merges_runs(tmp_path):
     assert result["rows"] == rows
     assert [m["device"] for m in result["meta"]["merged_from"]] == ["cpu", "cpu"]
     assert sum(line.startswith(("tiny ", "tiny_ep ")) for line in table.splitlines()) == 4
+
+
+def test_graph_pdl_probe_imports():
+    """graph_pdl_stepfun.py times CUDA graphs only; here its imports and options are checked (--help)."""
+    usage = run_bench("graph_pdl_stepfun.py", "--help")
+    assert "--variants" in usage and "--tokens" in usage

@@ -10,6 +10,8 @@ True / False; with --variants all also routing -> fc1 -> fc2 -> finalize compose
 enable_pdl on (1) or off (0), and with a plain kernel cutting the edge between two ops ("|").
 --launch: the host time of replay(), the replay timed behind a GPU sleep (host launch hidden),
 and 10 replays back to back. --profile: per-kernel start and duration in one replay (torch profiler).
+--tactic: both GEMMs forced onto one grouped GEMM tile (e.g. a 1x1-cluster pingpong tile against the
+heuristic's 2x1-cluster cooperative one).
 """
 import argparse
 import collections
@@ -36,6 +38,9 @@ def main():
     p.add_argument("--variants", default="cut", choices=["oneshot", "cut", "all"])
     p.add_argument("--launch", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--tactic", default="",
+                   help="force this grouped GEMM tactic (by name) on both GEMMs: one of "
+                        "cake_ops._C.grouped_gemm_tactics('fwd') for bf16, 'fwd_e4m3' for fp8")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_pdl_stepfun.py times CUDA graphs: it needs a GPU")
@@ -49,7 +54,14 @@ def main():
     x = (AMPLITUDE * torch.randn(t, h, device="cuda")).bfloat16()
     logits = torch.randn(t, e, device="cuda")
     plan = sm._plan("graph_pdl_stepfun", None, weights, x, k, True)
-    print(f"{args.shape} T={t} {family} plan={plan}", flush=True)
+    family_name = "fwd" if family == "bf16" else "fwd_e4m3"
+    names = cake_ops._C.grouped_gemm_tactics(family_name)
+    if args.tactic:
+        cake_ops._C.set_grouped_gemm_tactic(family_name, names.index(args.tactic))
+    rows = t * k
+    gemm1 = names[cake_ops._C.grouped_gemm_tactic_for(family_name, e, rows, 2 * inter, h, -1, "swiglu")]
+    gemm2 = names[cake_ops._C.grouped_gemm_tactic_for(family_name, e, rows, h, inter, -1, "none")]
+    print(f"{args.shape} T={t} {family} plan={plan} GEMM1 {gemm1} GEMM2 {gemm2}", flush=True)
     cut_kernel_target = torch.zeros(1, device="cuda")
 
     def one_shot(pdl):
@@ -159,9 +171,9 @@ def main():
                 end.record()
                 end.synchronize()
                 med = statistics.median
+                b2b = start.elapsed_time(end) / 10
                 print(f"after {pred_name:5} {name:14} plain {med(plain):6.3f}  behind sleep {med(behind):6.3f} "
-                      f"(max {max(behind):6.3f})  host replay() {med(host):6.3f}  b2b {start.elapsed_time(end) / 10:6.3f} ms",
-                      flush=True)
+                      f"(max {max(behind):6.3f})  host replay() {med(host):6.3f}  b2b {b2b:6.3f} ms", flush=True)
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -181,7 +193,8 @@ def main():
                                      key=lambda ev: ev["ts"])
                 t0 = kernels[0]["ts"] if kernels else 0
                 span = (kernels[-1]["ts"] + kernels[-1]["dur"] - t0) if kernels else 0
-                print(f"--- {name} after {pred_name}: {len(kernels)} kernels, first start to last end {span / 1e3:.3f} ms")
+                print(f"--- {name} after {pred_name}: {len(kernels)} kernels, "
+                      f"first start to last end {span / 1e3:.3f} ms")
                 for ev in kernels:
                     kernel = ev["name"].split("<")[0][-60:]
                     print(f"  start {(ev['ts'] - t0) / 1e3:8.3f}  dur {ev['dur'] / 1e3:8.3f}  {kernel}  "

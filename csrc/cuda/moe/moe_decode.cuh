@@ -430,6 +430,16 @@ __device__ __forceinline__ void mma_step_fenced(StepRegs& regs, uint64_t desc0, 
   fence_acc(acc);
 }
 
+// A pass's first kStages - 1 weight steps (its prologue): pass_product issues them itself, or, with
+// `prefetched`, finds them issued by this call earlier (the layer kernel's phase 2 before the grid
+// barrier: the weights do not depend on phase 1). The same copies and commit groups either way.
+__device__ __forceinline__ void prefetch_pass(uint8_t* ring, const uint8_t* warp_rows, int k_bytes, int first_step,
+                                              int end_step) {
+  const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, warp_rows, k_bytes, first_step + i, end_step);
+}
+
 // One pass over the expert's weights for s.rows <= 8 * kBlocks token rows: the sums land in
 // tile[weight row][token] (fp32). The first pass also finds a's scale, once its first weight
 // copies are in flight (a dynamic one reads all of a: at fc2's fold 24 KB per CTA).
@@ -439,7 +449,7 @@ __device__ __forceinline__ void mma_step_fenced(StepRegs& regs, uint64_t desc0, 
 template <class T, bool kGather, int kBlocks>
 __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* warp_rows, bool first_pass,
                              float& a_scale, uint8_t* ring, uint8_t* b, float* tile, int first_step = 0,
-                             int end_step = -1, float* slice_out = nullptr) {
+                             int end_step = -1, float* slice_out = nullptr, bool prefetched = false) {
   const int steps = end_step < 0 ? p.k_bytes / kStepRowBytes : end_step;
   const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
   const uint32_t sbo16 = s.sbo >> 4;
@@ -448,8 +458,7 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
   zero(total);
 
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) copy_step(ring_addr, warp_rows, p.k_bytes, first_step + i, steps);
+  if (!prefetched) prefetch_pass(ring, warp_rows, p.k_bytes, first_step, steps);
   if (first_pass) a_scale = a_scale_of(p);
   StepRegs regs;
   for (int step = first_step; step < steps; ++step) {

@@ -185,13 +185,8 @@ __device__ void store_h(const LayerParams& lp, int l, int m_tile, int e, float a
   }
 }
 
-// Phase 1 (gemm1) or 2: this CTA's items, (local route, 64 weight rows) each, one pass over the
-// 64 rows' K with the route's single B row; or, spread, its parts of items (slice sums out).
-// gemm1 is a runtime flag so that the spreading kernel can run both phases through one inlined
-// pass (its code size: benchmarks/NOTES.md, sessions 13 and 21); the plain one passes constants.
-template <class T>
-__device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, const Spread& sp, bool gemm1, uint8_t* ring,
-                           uint8_t* b, float* tile) {
+// A phase's GEMM as the decode kernel sees it: B = x (phase 1) or h (phase 2), one row per route.
+__device__ DecodeParams layer_decode_params(const LayerParams& lp, const LayerRoutes& r, bool gemm1) {
   DecodeParams p;
   p.n = gemm1 ? 2 * lp.inter : lp.hidden;
   p.k_bytes = (gemm1 ? lp.hidden : lp.inter) * lp.w_bytes;
@@ -202,32 +197,73 @@ __device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, const Sp
   p.a_elements = int64_t(gemm1 ? lp.tokens : r.count) * (gemm1 ? lp.hidden : lp.inter);
   p.w_scale = gemm1 ? lp.w1_scale : lp.w2_scale;
   p.fresh_a = !gemm1;  // h was written in this kernel
+  return p;
+}
+
+// Work unit `unit` of a phase: its item (local route l, 64 weight rows m_tile of expert e), this
+// warp's first weight row, and its steps (all of K, or a spread item's part: a run of K slices).
+struct LayerUnit {
+  int item, part, l, m_tile, e;
+  const uint8_t* warp_rows;
+  int first_step, end_step;
+};
+
+__device__ LayerUnit layer_unit(const DecodeParams& p, const LayerRoutes& r, const Spread& sp, int unit) {
+  LayerUnit u;
+  u.item = unit / sp.share;
+  u.part = unit % sp.share;
+  u.l = u.item / sp.tiles;
+  u.m_tile = u.item % sp.tiles;
+  u.e = r.expert[u.l];
+  u.warp_rows = p.w + (int64_t(u.e) * p.n + u.m_tile * kTileM + 16 * (threadIdx.x / 32)) * p.k_bytes;
   const int steps = p.k_bytes / kStepRowBytes;
+  const int first_slice = u.part * sp.slices / sp.share, end_slice = (u.part + 1) * sp.slices / sp.share;
+  u.first_step = sp.share > 1 ? first_slice * kSliceSteps : 0;
+  u.end_step = sp.share > 1 ? min(end_slice * kSliceSteps, steps) : steps;
+  return u;
+}
+
+// Phase 2's first weight steps of this CTA's first unit, issued before the grid barrier that ends
+// phase 1 (the w2 rows do not depend on h): its stream then starts before the barrier releases,
+// and CTAs without phase-1 work (or with fewer items) fill their wait with it. layer_gemm(...,
+// prefetched = true) skips those copies.
+__device__ void prefetch_phase2(const LayerParams& lp, const LayerRoutes& r, const Spread& sp, uint8_t* ring) {
+  if (int(blockIdx.x) >= sp.items * sp.share) return;
+  const DecodeParams p = layer_decode_params(lp, r, false);
+  const LayerUnit u = layer_unit(p, r, sp, blockIdx.x);
+  prefetch_pass(ring, u.warp_rows, p.k_bytes, u.first_step, u.end_step);
+}
+
+// Phase 1 (gemm1) or 2: this CTA's items, (local route, 64 weight rows) each, one pass over the
+// 64 rows' K with the route's single B row; or, spread, its parts of items (slice sums out).
+// gemm1 is a runtime flag so that the spreading kernel can run both phases through one inlined
+// pass (its code size: benchmarks/NOTES.md, sessions 13 and 21); the plain one passes constants.
+// prefetched: this CTA's first unit's first steps were issued by prefetch_phase2.
+template <class T>
+__device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, const Spread& sp, bool gemm1, uint8_t* ring,
+                           uint8_t* b, float* tile, bool prefetched = false) {
+  const DecodeParams p = layer_decode_params(lp, r, gemm1);
   float a_scale = 1.0f;
   bool first = true;
   for (int unit = blockIdx.x; unit < sp.items * sp.share; unit += gridDim.x) {
-    const int item = unit / sp.share, part = unit % sp.share;
-    const int l = item / sp.tiles, m_tile = item % sp.tiles;
-    const int e = r.expert[l];
-    const int64_t a_row = gemm1 ? r.index[l] / lp.top_k : l;
+    const LayerUnit u = layer_unit(p, r, sp, unit);
+    const int64_t a_row = gemm1 ? r.index[u.l] / lp.top_k : u.l;
     const Pass s = make_pass(p, a_row, a_row + 1);
-    const uint8_t* warp_rows = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * (threadIdx.x / 32)) * p.k_bytes;
     // A spread item's part: its run of slices, their sums out.
     const bool spread = sp.share > 1;
-    const int first_slice = part * sp.slices / sp.share, end_slice = (part + 1) * sp.slices / sp.share;
-    pass_product<T, false, 1>(p, s, warp_rows, first, a_scale, ring, b, tile, spread ? first_slice * kSliceSteps : 0,
-                              spread ? min(end_slice * kSliceSteps, steps) : steps,
-                              spread ? lp.slice_sums + int64_t(item) * sp.slices * kTileM : nullptr);
+    pass_product<T, false, 1>(p, s, u.warp_rows, first, a_scale, ring, b, tile, u.first_step, u.end_step,
+                              spread ? lp.slice_sums + int64_t(u.item) * sp.slices * kTileM : nullptr,
+                              prefetched && first);
     first = false;
-    const float alpha = a_scale * (p.w_scale ? p.w_scale[e] : 1.0f);
+    const float alpha = a_scale * (p.w_scale ? p.w_scale[u.e] : 1.0f);
     if (spread) {
-      if (part == 0 && threadIdx.x == 0) lp.alphas[item] = alpha;
+      if (u.part == 0 && threadIdx.x == 0) lp.alphas[u.item] = alpha;
     } else if (gemm1) {
-      store_h<T>(lp, l, m_tile, e, alpha, tile);  // tile column 0 is the route's row
+      store_h<T>(lp, u.l, u.m_tile, u.e, alpha, tile);  // tile column 0 is the route's row
     } else if (threadIdx.x < 32) {
       const int j = 2 * threadIdx.x;
-      DecodeMma<T>::store2(lp.y + (int64_t(l) * lp.hidden + m_tile * kTileM + j) * 2, alpha * tile[j * kTilePitch],
-                           alpha * tile[(j + 1) * kTilePitch]);
+      DecodeMma<T>::store2(lp.y + (int64_t(u.l) * lp.hidden + u.m_tile * kTileM + j) * 2,
+                           alpha * tile[j * kTilePitch], alpha * tile[(j + 1) * kTilePitch]);
     }
   }
 }
@@ -324,7 +360,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerPara
 #pragma unroll 1
     for (int phase = 1; phase <= 2; ++phase) {
       sp = spread_of(p, routes, phase == 1);
-      layer_gemm<T>(p, routes, sp, phase == 1, ring, b, tile);
+      layer_gemm<T>(p, routes, sp, phase == 1, ring, b, tile, /*prefetched=*/phase == 2);
+      if (phase == 1) prefetch_phase2(p, routes, spread_of(p, routes, false), ring);
       if (phase == 1 && sp.share > 1) {
         grid.sync();  // every slice summed
         layer_h_from_slices<T>(p, routes, sp, tile);
@@ -334,9 +371,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_layer_kernel(LayerPara
     layer_finalize<T>(p, routes, sp);  // phase 2's spread
   } else {
     layer_gemm<T>(p, routes, unspread(p, routes, true), true, ring, b, tile);
-    grid.sync();  // h complete (and its amax final) before any GEMM2 B row is staged
     const Spread sp = unspread(p, routes, false);
-    layer_gemm<T>(p, routes, sp, false, ring, b, tile);
+    prefetch_phase2(p, routes, sp, ring);
+    grid.sync();  // h complete (and its amax final) before any GEMM2 B row is staged
+    layer_gemm<T>(p, routes, sp, false, ring, b, tile, /*prefetched=*/true);
     grid.sync();
     layer_finalize<T>(p, routes, sp);
   }

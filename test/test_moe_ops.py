@@ -112,14 +112,19 @@ def test_pipeline_matches_float32_reference(device, case):
 
 @cuda_only
 @pytest.mark.parametrize("t", [1, 3, 700])
-def test_cuda_finalize_sums_routes_in_order(t):
+@pytest.mark.parametrize("shard", [False, True], ids=["local", "ep_shard"])
+def test_cuda_finalize_sums_routes_in_order(t, shard):
     """A few tokens spread each row over several CTAs (hidden 2400: 300 vectors, cut in 3 at T=1);
-    each output element is still the fp32 sum over the routes in route order, bit for bit."""
+    each output element is still the fp32 sum over the routes in route order, bit for bit. An
+    expert-parallel shard keeps ~1 route in 8 (some tokens none: their rows are zeros)."""
     k, hidden = 8, 2400
     g = torch.Generator().manual_seed(t)
     rows = torch.randn(t * k, hidden, generator=g).bfloat16()
     e2p = torch.randperm(t * k, generator=g).int()
-    e2p[::5] = -1  # dropped routes add nothing
+    if shard:
+        e2p[torch.rand(t * k, generator=g) > 0.125] = -1
+    else:
+        e2p[::5] = -1  # dropped routes add nothing
     scales = torch.rand(t, k, generator=g)
     out = torch.ops.cake.moe_finalize(rows.cuda(), e2p.cuda(), scales.cuda()).cpu()
     want = torch.zeros(t, hidden)

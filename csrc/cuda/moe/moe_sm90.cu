@@ -664,51 +664,86 @@ constexpr int kFinalizeThreads = 128;
 constexpr int kFinalizeMaxTopK = 64;  // routes per token staged in shared memory
 constexpr int64_t kFinalizeFillCtas = 2048;  // ~ the CTAs of 128 threads the GPU holds at once (132 x 16)
 
+// Each thread sums kFinalizeVecs vectors of the token's row at a time, their routes' loads in flight
+// together: on an expert-parallel shard a token keeps ~top_k / EP routes (the Kimi-K2 EP8 shard: ~1
+// of 8), so one vector per thread left ~1 load in flight per thread (150 us at T=16384, ~3.1 TB/s).
+constexpr int kFinalizeVecs = 2;
+
 template <class T>
 __global__ void __launch_bounds__(kFinalizeThreads)
     moe_finalize_kernel(const uint4* __restrict__ rows, int64_t hidden_vecs, const int32_t* expanded_to_permuted,
                         const float* scales, int top_k, int64_t num_rows, uint4* __restrict__ out) {
   __shared__ int32_t route_row[kFinalizeMaxTopK];
   __shared__ float route_scale[kFinalizeMaxTopK];
+  __shared__ int kept;
   pdl_wait();
   pdl_launch_dependents();
   const int64_t t = blockIdx.x;
-  if (threadIdx.x < top_k) {
-    const int32_t p = expanded_to_permuted[t * top_k + threadIdx.x];
-    if (p >= num_rows || p < -1) {
-      __assert_fail("cake::moe_finalize: expanded_to_permuted must hold -1 or row indices below permuted_rows.size(0)",
-                    __FILE__, __LINE__, __func__);
+  // The token's kept routes, compacted in route order (dropped ones add no term).
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int count = 0;
+    for (int base = 0; base < top_k; base += 32) {
+      const int j = base + lane;
+      int32_t p = -1;
+      float scale = 0.0f;
+      if (j < top_k) {
+        p = expanded_to_permuted[t * top_k + j];
+        if (p >= num_rows || p < -1) {
+          __assert_fail("cake::moe_finalize: expanded_to_permuted must hold -1 or row indices below "
+                        "permuted_rows.size(0)", __FILE__, __LINE__, __func__);
+        }
+        scale = scales[t * top_k + j];
+      }
+      const unsigned mask = __ballot_sync(0xffffffffu, p >= 0);
+      if (p >= 0) {
+        const int slot = count + __popc(mask & ((1u << lane) - 1));
+        route_row[slot] = p;
+        route_scale[slot] = scale;
+      }
+      count += __popc(mask);
     }
-    route_row[threadIdx.x] = p;
-    route_scale[threadIdx.x] = scales[t * top_k + threadIdx.x];
+    if (lane == 0) kept = count;
   }
   __syncthreads();
+  const int routes = kept;
   // This CTA's share of the token's row: blockIdx.y of gridDim.y slices.
   const int64_t slice = (hidden_vecs + gridDim.y - 1) / gridDim.y;
   const int64_t end = std::min(hidden_vecs, (blockIdx.y + 1) * slice);
-  for (int64_t v = blockIdx.y * slice + threadIdx.x; v < end; v += blockDim.x) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    // The k rows' loads go out together; the sum then runs in route order.
-    constexpr int kUnroll = 8;
-    for (int j0 = 0; j0 < top_k; j0 += kUnroll) {
-      uint4 val[kUnroll];
+  for (int64_t v0 = blockIdx.y * slice + threadIdx.x; v0 < end; v0 += kFinalizeVecs * blockDim.x) {
+    float acc[kFinalizeVecs][8] = {};
+    // kUnroll routes' loads of each vector go out together; the sum then runs in route order.
+    constexpr int kUnroll = 4;
+    for (int j0 = 0; j0 < routes; j0 += kUnroll) {
+      uint4 val[kUnroll][kFinalizeVecs];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int j = j0 + u;
-        if (j < top_k && route_row[j] >= 0) val[u] = __ldg(rows + int64_t(route_row[j]) * hidden_vecs + v);
+#pragma unroll
+        for (int q = 0; q < kFinalizeVecs; ++q) {
+          const int64_t v = v0 + q * blockDim.x;
+          if (j0 + u < routes && v < end) val[u][q] = __ldg(rows + int64_t(route_row[j0 + u]) * hidden_vecs + v);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int j = j0 + u;
-        if (j >= top_k || route_row[j] < 0) continue;
-        float f[8];
-        Vec8<T>::load(val[u], f);
-        // Explicit roundings: no contraction into FMA, the same sum on every build.
+        if (j0 + u >= routes) break;
+        const float scale = route_scale[j0 + u];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(route_scale[j], f[i]));
+        for (int q = 0; q < kFinalizeVecs; ++q) {
+          if (v0 + q * blockDim.x >= end) continue;
+          float f[8];
+          Vec8<T>::load(val[u][q], f);
+          // Explicit roundings: no contraction into FMA, the same sum on every build.
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[q][i] = __fadd_rn(acc[q][i], __fmul_rn(scale, f[i]));
+        }
       }
     }
-    out[t * hidden_vecs + v] = Vec8<T>::store(acc);
+#pragma unroll
+    for (int q = 0; q < kFinalizeVecs; ++q) {
+      const int64_t v = v0 + q * blockDim.x;
+      if (v < end) out[t * hidden_vecs + v] = Vec8<T>::store(acc[q]);
+    }
   }
 }
 

@@ -7,7 +7,8 @@ float32, fixed order), or with the fused finalize ``moe_gemm2_finalize_out`` for
 No value leaves the device, so a call never synchronises and can be captured in a CUDA graph or
 traced by ``torch.compile(fullgraph=True)``.
 
-On the GPU (SM90) each stage is a CUDA kernel: a one-block stable token sort, a row gather, the
+On the GPU (SM90) each stage is a CUDA kernel: a stable token sort (one block, or one cooperative
+launch of a block per chunk for many routes), a row gather, the
 grouped GEMM (bf16 or fp16) with the SwiGLU, the grouped GEMM again and the combine; with
 ``enable_pdl`` (default) every kernel of the chain launches with Programmatic Dependent Launch,
 but for grouped GEMMs of more than 16384 (expected) rows, where it gains nothing and two chained
@@ -16,8 +17,10 @@ Decode sizes run both GEMMs in a weight-streaming kernel (gather and SwiGLU insi
 rows per expert the grouped GEMM's tiles apply the SwiGLU in GEMM1's epilogue and, with
 ``use_fused_finalize`` (default), add GEMM2's router-scaled rows into the output with atomics (one
 output-dtype rounding per route, not bitwise reproducible); ``use_fused_finalize=False``, the
-decode kernel and the swap-AB tiles combine in float32 in a fixed order (``moe_finalize``). The
-gather is not yet fused into GEMM1's mainloop. A decode token (``LAYER_MAX_TOKENS``: T=1, shapes
+decode kernel and the swap-AB tiles combine in float32 in a fixed order (``moe_finalize``). On the
+128x256 cooperative tiles up to 2I = 2048, GEMM1's mainloop gathers x's rows itself (no gather
+kernel); the other tiles read a gathered copy (benchmarks/NOTES.md, sessions 22, 26 and 30: on
+Hopper neither cp.async nor a TMA per row feeds the 64-row pingpong tiles). A decode token (``LAYER_MAX_TOKENS``: T=1, shapes
 :func:`layer_fits` takes, no buffer or tile override) runs the whole layer as one launch
 (``moe_forward_out``: GEMM1 + SwiGLU, GEMM2 and the fixed-order combine, with grid barriers; given
 the shard's expected routes, it spreads a phase with few items over the idle CTAs).

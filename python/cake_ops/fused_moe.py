@@ -8,8 +8,8 @@ No value leaves the device, so a call never synchronises and can be captured in 
 traced by ``torch.compile(fullgraph=True)``.
 
 On the GPU (SM90) each stage is a CUDA kernel: a stable token sort (one block, or one cooperative
-launch of a block per chunk for many routes), a row gather, the
-grouped GEMM (bf16 or fp16) with the SwiGLU, the grouped GEMM again and the combine; with
+launch of a block per chunk for many routes), a row gather, the grouped GEMM (bf16 or fp16) with the
+SwiGLU, the grouped GEMM again and the combine; with
 ``enable_pdl`` (default) every kernel of the chain launches with Programmatic Dependent Launch,
 but for grouped GEMMs of more than 16384 (expected) rows, where it gains nothing and two chained
 ones slowed CUDA-graph replays (benchmarks/NOTES.md, session 28).
@@ -20,10 +20,11 @@ output-dtype rounding per route, not bitwise reproducible); ``use_fused_finalize
 decode kernel and the swap-AB tiles combine in float32 in a fixed order (``moe_finalize``). On the
 128x256 cooperative tiles up to 2I = 2048, GEMM1's mainloop gathers x's rows itself (no gather
 kernel); the other tiles read a gathered copy (benchmarks/NOTES.md, sessions 22, 26 and 30: on
-Hopper neither cp.async nor a TMA per row feeds the 64-row pingpong tiles). A decode token (``LAYER_MAX_TOKENS``: T=1, shapes
-:func:`layer_fits` takes, no buffer or tile override) runs the whole layer as one launch
-(``moe_forward_out``: GEMM1 + SwiGLU, GEMM2 and the fixed-order combine, with grid barriers; given
-the shard's expected routes, it spreads a phase with few items over the idle CTAs).
+Hopper neither cp.async nor a TMA per row feeds the 64-row pingpong tiles). A decode token
+(``LAYER_MAX_TOKENS``: T=1, shapes :func:`layer_fits` takes, no buffer or tile override) runs the
+whole layer as one launch (``moe_forward_out``: GEMM1 + SwiGLU, GEMM2 and the fixed-order combine,
+with grid barriers; given the shard's expected routes, it spreads a phase with few items over the
+idle CTAs).
 
 Tiles: the tile / cluster / raster overrides, checked by the specification's rules, pick the
 grouped GEMM configuration of each GEMM (:func:`override_tactic`; a combination this build has no

@@ -408,7 +408,11 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
 @pytest.mark.parametrize("family,e,sum_m,n,k,expected,epilogue", [
     ("fwd", 128, 32768, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),   # Qwen3-30B T=4096 GEMM1
     ("fwd", 128, 32768, 4096, 1536, "fwd_bf16_fixed_ping_64x256x64_c1x1", "none"),     # Qwen3-235B T=4096 GEMM2
-    ("fwd", 128, 32768, 2048, 768, "fwd_bf16_fixed_ping_64x256x64_c1x1", "scatter"),   # ... + finalize kernel
+    ("fwd", 128, 32768, 2048, 768, "fwd_bf16_fixed_ping_64x256x64_c1x1", "scatter"),   # Qwen3-30B: its twin
+    ("fwd", 128, 131072, 2048, 768, "fwd_bf16_fixed_ping_64x256x64_c1x1", "scatter"),  # 1024 rows: its twin
+    ("fwd", 128, 131072, 2048, 768, "fwd_bf16_fixed_coop_128x256x64_c1x2", "none"),    # ... the plain GEMM
+    ("fwd", 8, 2048, 4096, 14336, "fwd_bf16_fixed_ping_64x256x64_c1x1", "scatter"),    # Mixtral T=1024: no twin
+    ("fwd", 8, 8192, 4096, 14336, "fwd_bf16_fixed_coop_128x256x64_c1x2", "scatter"),   # ... T=4096, 1024 rows
     ("fwd", 8, 2048, 28672, 4096, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),     # Mixtral T=1024 GEMM1
     ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),   # 512 rows per group
     ("fwd", 8, 8192, 28672, 4096, "fwd_bf16_fixed_coop_128x256x64_c1x2", "swiglu"),    # 1024 rows per group
@@ -421,8 +425,9 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
 ])
 def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
     """bfloat16: 33 to 128 rows per group 128x128 pingpong, 129 to 640 rows 64x256 pingpong, both with fixed
-    operands, for every epilogue (the 64x256 tile has no scatter twin: under the fused finalize it runs the
-    plain GEMM, then the finalize kernel, measured faster); e4m3 fwd: 129 to 384 rows 64x256 pingpong."""
+    operands, for every epilogue; under the fused finalize the 64x256 tile up to 1024 rows where K <= 4096 (its
+    scatter twin's bound; past it, up to 640 rows, the plain GEMM and the finalize kernel); e4m3 fwd: 129 to
+    384 rows 64x256 pingpong."""
     names = cake_ops._C.grouped_gemm_tactics(family)
     assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue)] == expected
 

@@ -292,7 +292,8 @@ def test_gemm1_zero_tail_false_leaves_only_the_tail(device):
 # Not the 64x256 pingpong tile (configs_sm90.inc says why).
 SCATTER_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
                                                        "coop_128x256x64_c2x1", "fixed_ping_128x128x64_c1x1",
-                                                       "fixed_coop_128x256x64_c1x2", "fixed_coop_128x256x64_c2x1"]),
+                                                       "fixed_ping_64x256x64_c1x1", "fixed_coop_128x256x64_c1x2",
+                                                       "fixed_coop_128x256x64_c2x1"]),
                  torch.float16: SWIGLU_TWINS[torch.float16]}
 
 
@@ -383,6 +384,33 @@ def test_gemm2_fused_finalize_in_the_gemm_epilogue(dtype):
         # k = 2: a token's two additions in either order give the same bits (0 + a + b == 0 + b + a).
         assert torch.equal(out, in_order), tile
         torch.testing.assert_close(out, torch.ops.cake.moe_finalize(rows, e2p, scales), rtol=2e-2, atol=2e-2)
+
+
+@cuda_only
+def test_gemm2_fused_finalize_past_the_pingpong_twins_k_bound():
+    """The 64x256 pingpong tile's scatter twin runs up to K = 4096 (at Mixtral's K = 14336 it was slower than the
+    plain GEMM2 and the finalize kernel): past it the fused finalize of that tile is bitwise moe_gemm2 then
+    moe_finalize (the fixed-order float32 combine), up to it the twin's atomics add the rounded terms in route
+    order (k = 2: any order gives those bits)."""
+    t, k, hidden = 64, 2, 256
+    counts = [0, 1, 70, 57]
+    family, prefix, _ = SCATTER_TWINS[torch.bfloat16]
+    tactic = cake_ops._C.grouped_gemm_tactics(family).index(prefix + "fixed_ping_64x256x64_c1x1")
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    p2e = torch.randperm(t * k, device="cuda").int()
+    e2p = torch.empty_like(p2e)
+    e2p[p2e.long()] = torch.arange(t * k, dtype=torch.int32, device="cuda")
+    scales = torch.softmax(torch.randn(t, k, device="cuda"), -1)
+    for inter_size, twin in ((4096, True), (4160, False)):
+        inter = torch.randn(t * k, inter_size, device="cuda").bfloat16()
+        w2 = (torch.randn(len(counts), hidden, inter_size, device="cuda") / inter_size**0.5).bfloat16()
+        rows = torch.ops.cake.moe_gemm2(inter, w2, offsets, True, tactic)
+        out = torch.full((t, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        torch.ops.cake.moe_gemm2_finalize_out(inter, w2, offsets, p2e, e2p, scales, out, True, tactic)
+        fixed_order = torch.ops.cake.moe_finalize(rows, e2p, scales)
+        in_order = finalize_in_route_order(rows.cpu(), e2p.cpu(), scales.cpu(), torch.bfloat16)
+        assert torch.equal(out.cpu(), in_order if twin else fixed_order.cpu()), inter_size
+        assert not torch.equal(in_order, fixed_order.cpu())  # the two combines tell the paths apart
 
 
 def test_gemm2_finalize_rejects_bad_inputs():

@@ -111,7 +111,7 @@ bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
       TORCH_CHECK(forced_tactic < static_cast<int64_t>(table.size()), op, ": tactic must be below ", table.size(),
                   ", got ", forced_tactic);
       const Tactic& tactic = table[forced_tactic >= 0 ? forced_tactic : choose_tactic_sm90(family, s, twin.twin)];
-      const GroupedGemmLaunchFn fn = epilogue_twin_sm90(tactic, twin.twin);
+      const GroupedGemmLaunchFn fn = epilogue_twin_sm90(tactic, twin.twin, s);
       if (fn == nullptr) return false;
       p.raster_along_n = tactic.raster_along_n;
       p.swizzle = tactic.swizzle;

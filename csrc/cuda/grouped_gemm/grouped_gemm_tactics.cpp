@@ -33,6 +33,13 @@ namespace {
 std::array<std::atomic<int>, static_cast<int>(TacticFamily::kCount)> g_override{-1, -1, -1, -1, -1, -1};
 
 constexpr int kFamilies = static_cast<int>(TacticFamily::kCount);
+
+// The 64x256 pingpong tile's scatter twin (the MoE GEMM2's fused finalize) runs up to this K: one warp group's
+// atomic epilogue then hides under the other's MMAs (Qwen3-30B / Qwen3-235B / the Kimi-K2 shard, K = 768 /
+// 1536 / 2048: 5-10% faster than the plain GEMM and the finalize kernel); at Mixtral's K = 14336 it ran 34%
+// slower than the plain GEMM (553 vs 413 us at T=1024; not understood), whose finalize kernel costs ~10 us
+// there (session 31, results/sweep_scatter64_h200_s31.txt). No K between 2048 and 14336 was measured.
+constexpr int64_t kPingpong64ScatterMaxK = 4096;
 // Configuration names start with their family's prefix.
 constexpr const char* kPrefixes[kFamilies] = {"fwd_bf16_", "dgrad_bf16_", "wgrad_bf16_", "wgrad_f32_", "fwd_f16_",
                                               "fwd_e4m3_"};
@@ -88,10 +95,11 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
     auto& table = tables[static_cast<int>(family)];
     const GroupedGemmLaunchFn swiglu = twin(name, "swiglu_"), scatter = twin(name, "scatter_"),
                               gather = twin(name, "gather_swiglu_");
-    table.push_back({name, fn, false, 1, swiglu, scatter, gather});
-    table.push_back({std::string(name) + "_rasterN", fn, true, 1, swiglu, scatter, gather});
-    table.push_back({std::string(name) + "_swz4", fn, false, 4, swiglu, scatter, gather});
-    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4, swiglu, scatter, gather});
+    const int64_t scatter_max_k = std::strstr(name, "_ping_64x256x") != nullptr ? kPingpong64ScatterMaxK : INT64_MAX;
+    table.push_back({name, fn, false, 1, swiglu, scatter, gather, scatter_max_k});
+    table.push_back({std::string(name) + "_rasterN", fn, true, 1, swiglu, scatter, gather, scatter_max_k});
+    table.push_back({std::string(name) + "_swz4", fn, false, 4, swiglu, scatter, gather, scatter_max_k});
+    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4, swiglu, scatter, gather, scatter_max_k});
   };
 #define CAKE_GG_CONFIG(name, ...) add(#name, &sm90::grouped_gemm_##name);
 #define CAKE_SWIGLU_CONFIG(name, ...)
@@ -267,6 +275,11 @@ GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin) 
   }
 }
 
+GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin, const GroupedGemmShape& s) {
+  if (twin == EpilogueTwin::kScatter && s.k > tactic.scatter_twin_max_k) return nullptr;
+  return epilogue_twin_sm90(tactic, twin);
+}
+
 int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin) {
   const int forced = tactic_override_sm90(family);
   if (forced >= 0) return forced;
@@ -303,10 +316,18 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // fewer rows of each group's last tile, and the pingpong overlaps one warp group's epilogue with the other's
   // MMAs. Ptr-array 64x256 (sessions 16-19, results/sweep_moe_gemm_h200_mid_t.txt): GEMM1 -1 to -8%, plain
   // GEMM2 -4 to -10%; any K since the zeroing of GEMM1's unread tail went (ab_gemm1_tail_h200.txt).
-  // Under the fused finalize this tile has no scatter twin: the plain GEMM2, then the finalize kernel.
+  // Under the fused finalize its scatter twin (up to kPingpong64ScatterMaxK; past it the plain GEMM2, then the
+  // finalize kernel) overlaps one warp group's atomic epilogue with the other's MMAs, where the cooperative
+  // tile's warp groups both stall for theirs: up to 1024 rows per group it leads the cooperative scatter twin
+  // too (Qwen3-30B / Qwen3-235B GEMM2 at T=16384, 1024 rows: 733 vs 778 / 2510 vs 2606 us; session 31).
   // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
   constexpr int64_t kSmallGroupMinRows = 129;
-  if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= c.small_groups_max_rows) {
+  constexpr int64_t kScatterSmallGroupMaxRows = 1024;
+  const int64_t small_groups_max_rows =
+      twin == EpilogueTwin::kScatter && s.k <= kPingpong64ScatterMaxK
+          ? std::max<int64_t>(c.small_groups_max_rows, kScatterSmallGroupMaxRows)
+          : c.small_groups_max_rows;
+  if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= small_groups_max_rows) {
     return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an

@@ -3,6 +3,8 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
+
 #include <string>
 #include <vector>
 
@@ -26,6 +28,9 @@ struct Tactic {
   GroupedGemmLaunchFn swiglu_twin = nullptr;
   GroupedGemmLaunchFn scatter_twin = nullptr;
   GroupedGemmLaunchFn gather_swiglu_twin = nullptr;
+  // The largest K its scatter twin runs for (epilogue_twin_sm90 with a shape; past it the plain GEMM
+  // and the finalize kernel).
+  int64_t scatter_twin_max_k = INT64_MAX;
 };
 
 TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::ScalarType out_dtype);
@@ -39,6 +44,8 @@ enum class EpilogueTwin { kNone, kSwiGlu, kScatter, kGatherSwiGlu };
 // The twin of a fwd tactic's configuration (run in the tactic's tile order), or null where the
 // configuration has none.
 GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin);
+// The twin a launch of shape s runs: the above, but null for a scatter twin past its tile's K bound.
+GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin, const GroupedGemmShape& s);
 // The forced tactic of the family (set_tactic_override), else the autotuned tactic of the shape
 // bucket and epilogue twin (set_tuned_tactic), else the shape heuristic's, which may depend on the
 // epilogue twin that will run the tactic.

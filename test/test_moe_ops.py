@@ -289,7 +289,7 @@ def test_gemm1_zero_tail_false_leaves_only_the_tail(device):
 
 # GEMM2's scatter twins: the same 16-bit tiles with the fused finalize as their epilogue (no e4m3: the fp8
 # StepFun pipeline finalizes in a fixed order by its specification).
-# Not the 64x256 pingpong tile (configs_sm90.inc says why).
+# Not the ptr-array 64x256 pingpong tile (configs_sm90.inc says why).
 SCATTER_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
                                                        "coop_128x256x64_c2x1", "fixed_ping_128x128x64_c1x1",
                                                        "fixed_ping_64x256x64_c1x1", "fixed_coop_128x256x64_c1x2",

@@ -323,10 +323,12 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
   constexpr int64_t kSmallGroupMinRows = 129;
   constexpr int64_t kScatterSmallGroupMaxRows = 1024;
-  const int64_t small_groups_max_rows =
-      twin == EpilogueTwin::kScatter && s.k <= kPingpong64ScatterMaxK
-          ? std::max<int64_t>(c.small_groups_max_rows, kScatterSmallGroupMaxRows)
-          : c.small_groups_max_rows;
+  const bool small_groups_scatter_twin_runs =
+      twin == EpilogueTwin::kScatter && c.small_groups >= 0 &&
+      epilogue_twin_sm90(tactics_sm90(family)[c.small_groups], twin, s) != nullptr;
+  const int64_t small_groups_max_rows = small_groups_scatter_twin_runs
+                                            ? std::max<int64_t>(c.small_groups_max_rows, kScatterSmallGroupMaxRows)
+                                            : c.small_groups_max_rows;
   if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= small_groups_max_rows) {
     return c.small_groups;
   }

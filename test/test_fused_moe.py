@@ -114,6 +114,7 @@ def test_overrides_pick_the_grouped_gemm_tactic():
     assert names[override_tactic("fwd", "GEMM2", 128, 256, 64, (1, 2), False)] == \
         "fwd_bf16_fixed_coop_128x256x64_c1x2_rasterN"
     assert names[override_tactic("fwd", "GEMM2", 128, 128, None, (1, 1), True)] == "fwd_bf16_fixed_ping_128x128x64_c1x1"
+    assert names[override_tactic("fwd", "GEMM2", 128, 128, None, (1, 2), True)] == "fwd_bf16_fixed_ping_128x128x64_c1x2"
     assert names[override_tactic("fwd", "GEMM1", 256, 128)] == "fwd_bf16_coop_256x128x64_c2x1"  # ptr-array only
     assert cake_ops._C.grouped_gemm_tactics("fwd_f16")[override_tactic("fwd_f16", "GEMM1", 128, 128)] == \
         "fwd_f16_ping_128x128x64_c1x1"

@@ -372,7 +372,8 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
     ("dgrad", 128, 1024, 1536, 2048, "dgrad_bf16_ping_64x256x64_c1x1"),
     ("wgrad", 128, 128, 1536, 2048, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),
     ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1"),        # Qwen3 experts (512 rows)
-    ("fwd", 128, 8192, 2048, 768, "fwd_bf16_fixed_ping_128x128x64_c1x1"),          # 64 rows: weight-bound
+    ("fwd", 128, 8192, 2048, 768, "fwd_bf16_fixed_ping_128x128x64_c1x2"),          # 64 rows: weight-bound
+    ("fwd", 128, 8192, 1408, 768, "fwd_bf16_fixed_ping_128x128x64_c1x1"),          # ... 11 N tiles: no pairs
     ("dgrad", 128, 65536, 2048, 768, "dgrad_bf16_fixed_ping_64x256x64_c1x1"),
     ("dgrad", 128, 131072, 2048, 768, "dgrad_bf16_fixed_coop_128x256x64_c2x1"),   # 3 N (= K) tiles
     ("dgrad", 8, 16384, 4096, 14336, "dgrad_bf16_fixed_coop_128x256x64_c1x2"),    # Mixtral
@@ -416,15 +417,16 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
     ("fwd", 8, 2048, 28672, 4096, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),     # Mixtral T=1024 GEMM1
     ("fwd", 128, 65536, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),   # 512 rows per group
     ("fwd", 8, 8192, 28672, 4096, "fwd_bf16_fixed_coop_128x256x64_c1x2", "swiglu"),    # 1024 rows per group
-    ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_fixed_ping_128x128x64_c1x1", "swiglu"),   # 64: weight-bound
-    ("fwd", 128, 8192, 2048, 768, "fwd_bf16_fixed_ping_128x128x64_c1x1", "scatter"),   # it has a scatter twin
+    ("fwd", 128, 8192, 1536, 2048, "fwd_bf16_fixed_ping_128x128x64_c1x2", "swiglu"),   # 64: weight-bound
+    ("fwd", 128, 8192, 2048, 768, "fwd_bf16_fixed_ping_128x128x64_c1x2", "scatter"),   # it has a scatter twin
+    ("fwd", 128, 8192, 2176, 768, "fwd_bf16_fixed_ping_128x128x64_c1x1", "scatter"),   # 17 N tiles: no cluster
     ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),    # any K (Kimi-K2 shard)
     ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
     ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1", "swiglu"),   # StepFun fp8 T=2048 GEMM1
     ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_ping_64x256x128_c1x1", "none"),     # ... GEMM2
 ])
 def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
-    """bfloat16: 33 to 128 rows per group 128x128 pingpong, 129 to 640 rows 64x256 pingpong, both with fixed
+    """bfloat16: 33 to 128 rows per group 128x128 pingpong (in a 1x2 cluster where its N tiles pair up), 129 to 640 rows 64x256 pingpong, both with fixed
     operands, for every epilogue; under the fused finalize the 64x256 tile up to 1024 rows where K <= 4096 (its
     scatter twin's bound; past it, up to 640 rows, the plain GEMM and the finalize kernel); e4m3 fwd: 129 to
     384 rows 64x256 pingpong."""
@@ -441,7 +443,7 @@ def test_heuristic_expected_rows():
     # Without the hint: 170 rows per expert, the small-groups rule's 64x256 pingpong tile.
     assert names[tactic_for("fwd", 48, 8192, 4096, 7168)] == "fwd_bf16_fixed_ping_64x256x64_c1x1"
     # T=4096: 85 rows per expert, weight-bound: one 128-row tile per expert, not the 64-row tiles.
-    assert names[tactic_for("fwd", 48, 32768, 4096, 7168, 4096)] == "fwd_bf16_fixed_ping_128x128x64_c1x1"
+    assert names[tactic_for("fwd", 48, 32768, 4096, 7168, 4096)] == "fwd_bf16_fixed_ping_128x128x64_c1x2"
     assert names[tactic_for("fwd", 48, 8192, 4096, 7168, 1024)] == "fwd_bf16_swapab_coop_128x32x128_c1x1"
     assert tactic_for("fwd", 48, 8192, 4096, 7168, -1) == tactic_for("fwd", 48, 8192, 4096, 7168)
     # A hint above sum_m counts as sum_m.

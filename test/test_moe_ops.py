@@ -188,7 +188,8 @@ def test_gemm1_gathers_a_large_x_in_token_order(mapping):
 SWIGLU_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_64x256x64_c1x1", "ping_128x128x64_c1x1",
                                                       "coop_128x256x64_c1x2", "coop_128x256x64_c2x1",
                                                       "fixed_ping_64x256x64_c1x1", "fixed_ping_128x128x64_c1x1",
-                                                      "fixed_coop_128x256x64_c1x2", "fixed_coop_128x256x64_c2x1"]),
+                                                      "fixed_coop_128x256x64_c1x2", "fixed_coop_128x256x64_c2x1",
+                                                      "fixed_ping_128x128x64_c1x2"]),
                 torch.float16: ("fwd_f16", "fwd_f16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
                                                         "coop_128x256x64_c2x1"]),
                 torch.float8_e4m3fn: ("fwd_e4m3", "fwd_e4m3_", ["ping_64x256x128_c1x1", "coop_128x256x128_c1x2",
@@ -293,7 +294,7 @@ def test_gemm1_zero_tail_false_leaves_only_the_tail(device):
 SCATTER_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_128x128x64_c1x1", "coop_128x256x64_c1x2",
                                                        "coop_128x256x64_c2x1", "fixed_ping_128x128x64_c1x1",
                                                        "fixed_ping_64x256x64_c1x1", "fixed_coop_128x256x64_c1x2",
-                                                       "fixed_coop_128x256x64_c2x1"]),
+                                                       "fixed_coop_128x256x64_c2x1", "fixed_ping_128x128x64_c1x2"]),
                  torch.float16: SWIGLU_TWINS[torch.float16]}
 
 

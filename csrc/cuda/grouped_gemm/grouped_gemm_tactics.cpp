@@ -127,6 +127,7 @@ struct HeuristicChoices {
   int few_rows;           // a few rows per group: weight-bandwidth bound
   int few_rows_narrow;    // the same with half the weight rows per tile, for fuller waves; -1: none
   int short_groups;       // 33 to 128 rows per group; -1: none (the medium or large rule)
+  int short_groups_pair;  // the same where its N tiles pair up for a 1x2 cluster; -1: as short_groups
   int small_groups;       // 129 rows per group up to small_groups_max_rows; -1: none
   int small_groups_max_rows;
   int medium_groups;      // up to 2048 rows per group, N tiles pair up (else large_groups_odd); -1: none
@@ -159,12 +160,18 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
             // under the fused finalize its plain GEMM and the finalize kernel still beat the cooperative
             // tile's scatter twin, Qwen3-30B T=4096 234 vs 250 us); then 128x256 cooperative, in the default
             // tile order (the fixed tile measured level with or above the ptr-array one's rasterN_swz4).
+            // 33-128 rows where the 128-wide N tiles pair up: the same tile in a 1x2 cluster, whose two CTAs
+            // (one group's rows, two weight tiles) share the row tile by TMA multicast: half the L2 reads of
+            // x, which at these sizes are as many bytes as the weights' (session 32, results/
+            // ab_ping_cluster_h200_s32.txt: Qwen3-30B / Qwen3-235B T=1024 -1%, Mixtral T=256 -4%, the Kimi-K2
+            // shard T=4096 -2%). The 64x256 tile in a 1x2 cluster ran 1-80% slower: not used.
             c[f] = {named("swapab_coop_128x32x128_c1x1"), named("swapab_ping_64x16x256_c1x1"),
-                    named("fixed_ping_128x128x64_c1x1"), named("fixed_ping_64x256x64_c1x1"), 640,
+                    named("fixed_ping_128x128x64_c1x1"), named("fixed_ping_128x128x64_c1x2"),
+                    named("fixed_ping_64x256x64_c1x1"), 640,
                     named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c1x2"),
                     named("fixed_coop_128x256x64_c2x1"), named("ping_128x128x64_c1x1_rasterN")};
           } else {  // float16: the ptr-array tiles
-            c[f] = {named("swapab_coop_128x32x128_c1x1"), -1, -1, -1, 0, named("coop_128x256x64_c1x2"), coop_1x2,
+            c[f] = {named("swapab_coop_128x32x128_c1x1"), -1, -1, -1, -1, 0, named("coop_128x256x64_c1x2"), coop_1x2,
                     coop_2x1, named("ping_128x128x64_c1x1_rasterN")};
           }
           break;
@@ -175,13 +182,13 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
           // Decode with few experts touched: the bf16 rule's 64x16 tile, K stages of the same bytes.
           // Small groups (129-384 rows): 64x256 pingpong, K tiles of the same bytes as bf16's
           // (session 17: at 256 rows per expert it beats the cooperative tile, 414 vs 452 us).
-          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"), -1,
+          c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"), -1, -1,
                   named("ping_64x256x128_c1x1"), 384, -1, coop_1x2, coop_2x1, -1};
           break;
         case TacticFamily::kDgradBf16:
           // The fwd rules' fixed-operand tiles (session 24): 64x256 pingpong from 33 to 640 rows per group,
           // then 128x256 cooperative.
-          c[f] = {named("ping_64x256x64_c1x1"), -1, named("fixed_ping_64x256x64_c1x1"), named("fixed_ping_64x256x64_c1x1"),
+          c[f] = {named("ping_64x256x64_c1x1"), -1, named("fixed_ping_64x256x64_c1x1"), -1, named("fixed_ping_64x256x64_c1x1"),
                   640, named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c1x2"),
                   named("fixed_coop_128x256x64_c2x1"), -1};
           break;
@@ -194,7 +201,8 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
           // +6%; 2048 +4%), then the 1x2 cluster (0 to +5% over the ptr-array tile's order along N, swizzle 4).
           // Decode too (1 to 8 rows per group: +39 to +47%, float32 +3 to +12%): a group's last K block runs
           // only the wgmmas that hold its rows.
-          c[f] = {named("fixed_coop_128x256x64_c2x1"), -1, named("fixed_coop_128x256x64_c2x1"), named("fixed_coop_128x256x64_c2x1"), 2048, -1,
+          c[f] = {named("fixed_coop_128x256x64_c2x1"), -1, named("fixed_coop_128x256x64_c2x1"), -1,
+                  named("fixed_coop_128x256x64_c2x1"), 2048, -1,
                   named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c2x1"), -1};
       }
     }
@@ -311,7 +319,14 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows), one 128-row tile per group reads each weight tile
   // once, and 64-row ptr-array tiles read them twice (the Kimi-K2 shard at 85 rows ran 20% slower with them).
   constexpr int64_t kShortGroupMaxRows = 128;
-  if (c.short_groups >= 0 && rows_per_group <= kShortGroupMaxRows) return c.short_groups;
+  // The tile's N side: fwd N, dgrad K, wgrad K (the output is [N, K] per group).
+  const bool fwd =
+      family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16 || family == TacticFamily::kFwdE4m3;
+  const int64_t n_extent = fwd ? s.n : s.k;
+  if (c.short_groups >= 0 && rows_per_group <= kShortGroupMaxRows) {
+    const bool n_tiles_pair_128 = ((n_extent + 127) / 128) % 2 == 0;
+    return c.short_groups_pair >= 0 && n_tiles_pair_128 ? c.short_groups_pair : c.short_groups;
+  }
   // From 129 rows per group (the MoE GEMMs of Qwen3 at T = 4096, Mixtral at T = 1024): 64-row tiles waste
   // fewer rows of each group's last tile, and the pingpong overlaps one warp group's epilogue with the other's
   // MMAs. Ptr-array 64x256 (sessions 16-19, results/sweep_moe_gemm_h200_mid_t.txt): GEMM1 -1 to -8%, plain
@@ -341,10 +356,6 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
       s.n * s.k * weight_element_bytes <= kWeightInL2Bytes) {
     return c.large_groups_weight_in_l2;
   }
-  // The tile's N side: fwd N, dgrad K, wgrad K (the output is [N, K] per group).
-  const bool fwd =
-      family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16 || family == TacticFamily::kFwdE4m3;
-  const int64_t n_extent = fwd ? s.n : s.k;
   const bool n_tiles_pair = ((n_extent + 255) / 256) % 2 == 0;
   if (rows_per_group <= 2048 && c.medium_groups >= 0) return n_tiles_pair ? c.medium_groups : c.large_groups_odd;
   return n_tiles_pair ? c.large_groups : c.large_groups_odd;

@@ -421,12 +421,18 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
     ("fwd", 128, 8192, 2048, 768, "fwd_bf16_fixed_ping_128x128x64_c1x2", "scatter"),   # it has a scatter twin
     ("fwd", 128, 8192, 2176, 768, "fwd_bf16_fixed_ping_128x128x64_c1x1", "scatter"),   # 17 N tiles: no cluster
     ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),    # any K (Kimi-K2 shard)
+    ("fwd", 128, 2048, 2048, 768, "fwd_bf16_fixed_ping_64x256x64_c1x1", "scatter"),   # 16 rows: its scatter twin
+    ("fwd", 128, 2048, 2048, 768, "fwd_bf16_swapab_coop_128x32x128_c1x1", "none"),     # ... the plain GEMM
+    ("fwd", 8, 128, 4096, 14336, "fwd_bf16_swapab_coop_128x32x128_c1x1", "scatter"),   # past the twin's K bound
+    ("fwd", 8, 128, 2048, 768, "fwd_bf16_swapab_coop_128x32x128_c1x1", "scatter"),     # 64 tiles: SMs left idle
     ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
     ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1", "swiglu"),   # StepFun fp8 T=2048 GEMM1
     ("fwd_e4m3", 64, 16384, 4096, 1536, "fwd_e4m3_ping_64x256x128_c1x1", "none"),     # ... GEMM2
 ])
 def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
-    """bfloat16: 33 to 128 rows per group 128x128 pingpong (in a 1x2 cluster where its N tiles pair up), 129 to 640 rows 64x256 pingpong, both with fixed
+    """bfloat16: under the fused finalize from 1 row per group the 64x256 tile's scatter twin where it runs and its
+    tiles cover the SMs (else swap-AB, GEMM2 and the finalize kernel); 33 to 128 rows per group 128x128 pingpong (in
+    a 1x2 cluster where its N tiles pair up), 129 to 640 rows 64x256 pingpong, both with fixed
     operands, for every epilogue; under the fused finalize the 64x256 tile up to 1024 rows where K <= 4096 (its
     scatter twin's bound; past it, up to 640 rows, the plain GEMM and the finalize kernel); e4m3 fwd: 129 to
     384 rows 64x256 pingpong."""

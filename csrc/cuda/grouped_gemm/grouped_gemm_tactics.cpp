@@ -312,7 +312,18 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   const HeuristicChoices& c = heuristic_choices(family);
   const int64_t rows = choice_rows(s);
   const int64_t rows_per_group = s.num_groups > 0 ? rows / s.num_groups : rows;
+  // Whether the small-groups tile (64x256 pingpong) has a scatter twin that runs for this shape (K bound).
+  const bool small_groups_scatter_twin_runs =
+      twin == EpilogueTwin::kScatter && c.small_groups >= 0 &&
+      epilogue_twin_sm90(tactics_sm90(family)[c.small_groups], twin, s) != nullptr;
   if (rows_per_group <= 32) {
+    // Under the fused finalize the swap-AB tiles have no scatter twin (GEMM2, then the finalize kernel); the
+    // 64x256 tile's twin combines in its epilogue: at 16 rows per group 6 / 20 us less (Qwen3-30B / Qwen3-235B
+    // T=256 GEMM2: 110 vs 116, 402 vs 423 us; end to end -2% / -1% at T=64 and 256; session 32,
+    // results/ab_few_rows_scatter_h200_s32.txt). The decode kernel, where it runs, is chosen before this. Only
+    // where its 256-wide weight tiles still cover the SMs (the 128-wide swap-AB tiles make twice as many).
+    const int64_t experts = std::max<int64_t>(1, std::min(s.num_groups, rows));
+    if (small_groups_scatter_twin_runs && experts * ((s.n + 255) / 256) >= sm_count()) return c.small_groups;
     return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
   }
   // 33 to 128 rows per group (Qwen3 at T = 1024, the Kimi-K2 shard at T = 4096): the weight stream bounds the
@@ -338,9 +349,6 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
   constexpr int64_t kSmallGroupMinRows = 129;
   constexpr int64_t kScatterSmallGroupMaxRows = 1024;
-  const bool small_groups_scatter_twin_runs =
-      twin == EpilogueTwin::kScatter && c.small_groups >= 0 &&
-      epilogue_twin_sm90(tactics_sm90(family)[c.small_groups], twin, s) != nullptr;
   const int64_t small_groups_max_rows = small_groups_scatter_twin_runs
                                             ? std::max<int64_t>(c.small_groups_max_rows, kScatterSmallGroupMaxRows)
                                             : c.small_groups_max_rows;

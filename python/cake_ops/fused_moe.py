@@ -14,11 +14,12 @@ SwiGLU, the grouped GEMM again and the combine; with
 but for grouped GEMMs of more than 16384 (expected) rows, where it gains nothing and two chained
 ones slowed CUDA-graph replays (benchmarks/NOTES.md, session 28).
 Decode sizes run both GEMMs in a weight-streaming kernel (gather and SwiGLU inside). Above ~32
-rows per expert the grouped GEMM's tiles apply the SwiGLU in GEMM1's epilogue and, with
-``use_fused_finalize`` (default), add GEMM2's router-scaled rows into the output with atomics (one
-output-dtype rounding per route, not bitwise reproducible); ``use_fused_finalize=False``, the
-decode kernel, the swap-AB tiles and the 64-row tiles past I = 4096 (their atomic epilogue measured
-slower there) combine in float32 in a fixed order (``moe_finalize``). On the
+rows per expert the grouped GEMM's tiles apply the SwiGLU in GEMM1's epilogue; with
+``use_fused_finalize`` (default) GEMM2's tiles add its router-scaled rows into the output with
+atomics (one output-dtype rounding per route, not bitwise reproducible), below 32 rows per expert
+too where the decode kernel does not run (the 64x256 tile's scatter twin); ``use_fused_finalize=False``,
+the decode kernel, the swap-AB tiles and the 64-row tiles past I = 4096 (their atomic epilogue
+measured slower there) combine in float32 in a fixed order (``moe_finalize``). On the
 128x256 cooperative tiles up to 2I = 2048, GEMM1's mainloop gathers x's rows itself (no gather
 kernel); the other tiles read a gathered copy (benchmarks/NOTES.md, sessions 22, 26 and 30: on
 Hopper neither cp.async nor a TMA per row feeds the 64-row pingpong tiles). A decode token

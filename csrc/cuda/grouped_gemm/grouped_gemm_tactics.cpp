@@ -224,18 +224,24 @@ int sm_count() {
   return count;
 }
 
+// The experts a decode-sized GEMM touches (at most one per row) and their weight tiles `tile_rows` wide.
+int64_t experts_touched(const GroupedGemmShape& s) {
+  return std::max<int64_t>(1, std::min(s.num_groups, choice_rows(s)));
+}
+int64_t weight_tiles(const GroupedGemmShape& s, int64_t tile_rows) {
+  return experts_touched(s) * ((s.n + tile_rows - 1) / tile_rows);
+}
+
 // Decode (a few rows per expert, as many experts touched as routes): the weight tiles are the work
 // units, and few experts give few of them. Qwen3/StepFun fc1 at T=1 (8 experts, N=3072): 192 tiles
 // of 128 rows fill 132 SMs in 2 waves, the second 45% full (73% of the waves' capacity); 384 tiles
 // of 64 rows fill 97%. Halving the tile pays only when it fills the waves clearly better, and the
 // narrow tiles' 16 token columns hold an expert's rows (more would stream its weight tiles twice).
 bool narrow_weight_tiles_fill_better(const GroupedGemmShape& s) {
-  const int64_t rows = choice_rows(s);
-  const int64_t experts = std::max<int64_t>(1, std::min(s.num_groups, rows));
-  if (rows > 16 * experts) return false;
+  if (choice_rows(s) > 16 * experts_touched(s)) return false;
   const int64_t sms = sm_count();
   auto fill = [&](int64_t tile_rows) {
-    const int64_t tiles = experts * ((s.n + tile_rows - 1) / tile_rows);
+    const int64_t tiles = weight_tiles(s, tile_rows);
     return double(tiles) / double((tiles + sms - 1) / sms * sms);
   };
   return fill(64) > fill(128) + 0.1;
@@ -322,8 +328,7 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
     // T=256 GEMM2: 110 vs 116, 402 vs 423 us; end to end -2% / -1% at T=64 and 256; session 32,
     // results/ab_few_rows_scatter_h200_s32.txt). The decode kernel, where it runs, is chosen before this. Only
     // where its 256-wide weight tiles still cover the SMs (the 128-wide swap-AB tiles make twice as many).
-    const int64_t experts = std::max<int64_t>(1, std::min(s.num_groups, rows));
-    if (small_groups_scatter_twin_runs && experts * ((s.n + 255) / 256) >= sm_count()) return c.small_groups;
+    if (small_groups_scatter_twin_runs && weight_tiles(s, 256) >= sm_count()) return c.small_groups;
     return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
   }
   // 33 to 128 rows per group (Qwen3 at T = 1024, the Kimi-K2 shard at T = 4096): the weight stream bounds the
@@ -334,9 +339,10 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   const bool fwd =
       family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16 || family == TacticFamily::kFwdE4m3;
   const int64_t n_extent = fwd ? s.n : s.k;
+  // Whether the N side's tiles `tile_n` wide pair up (for a 1x2 cluster).
+  auto n_tiles_pair = [&](int64_t tile_n) { return ((n_extent + tile_n - 1) / tile_n) % 2 == 0; };
   if (c.short_groups >= 0 && rows_per_group <= kShortGroupMaxRows) {
-    const bool n_tiles_pair_128 = ((n_extent + 127) / 128) % 2 == 0;
-    return c.short_groups_pair >= 0 && n_tiles_pair_128 ? c.short_groups_pair : c.short_groups;
+    return c.short_groups_pair >= 0 && n_tiles_pair(128) ? c.short_groups_pair : c.short_groups;
   }
   // From 129 rows per group (the MoE GEMMs of Qwen3 at T = 4096, Mixtral at T = 1024): 64-row tiles waste
   // fewer rows of each group's last tile, and the pingpong overlaps one warp group's epilogue with the other's
@@ -364,9 +370,8 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
       s.n * s.k * weight_element_bytes <= kWeightInL2Bytes) {
     return c.large_groups_weight_in_l2;
   }
-  const bool n_tiles_pair = ((n_extent + 255) / 256) % 2 == 0;
-  if (rows_per_group <= 2048 && c.medium_groups >= 0) return n_tiles_pair ? c.medium_groups : c.large_groups_odd;
-  return n_tiles_pair ? c.large_groups : c.large_groups_odd;
+  if (rows_per_group <= 2048 && c.medium_groups >= 0) return n_tiles_pair(256) ? c.medium_groups : c.large_groups_odd;
+  return n_tiles_pair(256) ? c.large_groups : c.large_groups_odd;
 }
 
 void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic, EpilogueTwin twin) {

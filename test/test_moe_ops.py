@@ -431,18 +431,19 @@ def test_gemm2_finalize_rejects_bad_inputs():
         op(inter, w2, offsets, p2e[:6], e2p[:6], scales[:3], out[:3])
 
 
-# The decode kernel (tactic -2; chosen automatically for up to 64 rows or 2 per expert) against the CPU ops: a hot
-# expert (two 32-row passes), an EP shard (dropped routes: zeroed tail rows), top-1, one token;
-# hidden 2560 bf16 stages B in several K chunks.
+# The decode kernel (tactic -2; chosen automatically for up to 64 rows, or 4 rows per expert for GEMM1 and 2 for
+# GEMM2) against the CPU ops: a hot expert (two 32-row passes), an EP shard (dropped routes: zeroed tail rows), top-1,
+# one token, 4 rows per expert (GEMM1 on the decode kernel, GEMM2 not); hidden 2560 bf16 stages B in several K chunks.
 DECODE_CASES = {"one_token": (1, 8, 64, 64, 0), "hot_expert": (40, 2, 8, 8, 0), "ep_shard": (12, 8, 64, 16, 16),
-                "top1": (5, 1, 16, 16, 0)}
+                "top1": (5, 1, 16, 16, 0), "four_per_expert": (40, 4, 40, 40, 0)}
 
 
-def decode_is_automatic(rows, num_experts, n):
-    """tactic -1's rule (moe_cuda.cpp): up to 64 rows or 2 per expert, and a grid of CTAs that
-    covers the SMs."""
+def decode_is_automatic(rows, num_experts, n, rows_per_expert):
+    """tactic -1's rule (moe_cuda.cpp): up to 64 rows or `rows_per_expert` per expert (GEMM1 4,
+    GEMM2 2), and a grid of CTAs that covers the SMs."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return (rows <= 64 or rows <= 2 * num_experts) and min(rows, num_experts) * (n // 64) >= sms
+    return ((rows <= 64 or rows <= rows_per_expert * num_experts)
+            and min(rows, num_experts) * (n // 64) >= sms)
 
 
 def quantize_per_expert(w):
@@ -480,7 +481,7 @@ def test_decode_kernel_matches_cpu(case, dtype, limits):
     torch.ops.cake.moe_gemm1_swiglu_out(*cuda[:4], k, into, torch.empty(0, dtype=torch.uint8, device="cuda"), True,
                                         cuda[4], tactic, *cuda[5:])
     assert torch.equal(into, got)
-    if decode_is_automatic(t * k, e_local, 2 * 256):
+    if decode_is_automatic(t * k, e_local, 2 * 256, rows_per_expert=4):
         auto = torch.ops.cake.moe_gemm1_swiglu(*cuda[:4], k, True, cuda[4], -1, *cuda[5:])
         assert torch.equal(auto, got)
 
@@ -490,7 +491,7 @@ def test_decode_kernel_matches_cpu(case, dtype, limits):
     scales2 = [v.cuda() if v is not None else None for v in (a_scale, w2_scale)]
     got2 = torch.ops.cake.moe_gemm2(*args2, True, tactic, *scales2)
     torch.testing.assert_close(got2[:kept].cpu(), want2[:kept], rtol=2e-2, atol=2e-2)
-    if decode_is_automatic(t * k, e_local, 2560):
+    if decode_is_automatic(t * k, e_local, 2560, rows_per_expert=2):
         assert torch.equal(torch.ops.cake.moe_gemm2(*args2, True, -1, *scales2)[:kept], got2[:kept])
 
 

@@ -155,24 +155,28 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 }
 
 // The MoE GEMMs' decode kernel (moe_decode_sm90.cu) streams each expert's weights once for a few
-// token rows with less fixed cost than the grouped GEMM (H200 sweeps, benchmarks/NOTES.md: level
-// at T = 1, 3-9% ahead at 64 rows, T = 8 with top-8; 30-40% behind at 512 rows, T = 64, where
-// experts hold 8 rows on average and its passes go from one wgmma N block to four).
-// tactic -2 forces it; -1 takes it for up to kMoeDecodeMaxRows rows (T * top_k), or up to
-// kMoeDecodeMaxRowsPerExpert rows per local expert on average, when its grid
-// (one CTA per 64 weight rows of each possible expert) covers the SMs -- one CTA streams ~1/3 of
-// an SM's share -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner).
-// An expert-parallel shard's GEMM (expected_rows >= 0: its share of the T * top_k routes) is
-// judged by that share, up to one row per local expert: the Kimi-K2 shard's GEMM1 at T=16 / 32
-// (16 / 32 of 128 / 256 rows for 48 experts) ran 7% / 6% faster on the decode kernel, at T=64
-// (1.3 rows per expert) 8% slower (results/sweep_moe_gemm_h200_t16.txt, _persistent.txt); end to
-// end T=16 0.306 -> 0.285 ms (results/ab_layer_spread_h200.txt).
+// token rows with less fixed cost than the grouped GEMM; its passes grow with the rows per expert
+// (one wgmma N block to four), the grouped GEMM's do not. tactic -2 forces it; -1 takes it for up
+// to kMoeDecodeMaxRows rows (T * top_k), or up to a number of rows per local expert on average
+// that differs per GEMM, when its grid (one CTA per 64 weight rows of each possible expert) covers
+// the SMs -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner). An
+// expert-parallel shard's GEMM (expected_rows >= 0: its share of the T * top_k routes) is judged by
+// that share. H200 sweeps, decode kernel against the grouped GEMM per GEMM, graph replays
+// (benchmarks/results/sweep_decode_rows_h200_s33.txt):
+// - GEMM1 (2I = 1536-4096, K = 2048-7168) ahead up to 4 rows per expert: Qwen3-30B / Qwen3-235B
+//   at 3 and 4 rows -4% / -1 to -2%, StepFun bf16 / fp8 at 4 rows -4% / -3%, Step-3.5-Flash at
+//   2.7-3.6 rows -2 to -4%, the Kimi-K2 shard at 0.7-2.7 rows -3%; behind from 6 rows (+0 to +8%)
+//   and at 8 (+18%);
+// - GEMM2 ahead up to 2 rows per expert (Kimi shard 1.3-2 rows -4 to -5%); at 3-4 rows mixed:
+//   Qwen3-235B and Step-3.5 bf16 ahead, Step-3.5 fp8 +9%, Qwen3-30B with the fused finalize +5 to
+//   +7% (the grouped GEMM's scatter twin combines in its epilogue).
 constexpr int64_t kMoeDecodeTactic = -2;
 constexpr int64_t kMoeDecodeMaxRows = 64;
-constexpr int64_t kMoeDecodeMaxRowsPerExpert = 2;
+constexpr int64_t kMoeDecodeGemm1MaxRowsPerExpert = 4;
+constexpr int64_t kMoeDecodeGemm2MaxRowsPerExpert = 2;
 
 bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t expected_rows, int64_t n, int64_t k_bytes,
-                       int64_t num_experts, TacticFamily family, const char* op) {
+                       int64_t num_experts, int64_t max_rows_per_expert, TacticFamily family, const char* op) {
   TORCH_CHECK(tactic >= kMoeDecodeTactic, op, ": tactic must be -2 (the decode kernel), -1 (automatic) or a grouped "
               "GEMM tactic >= 0, got ", tactic);
   const bool fits = sm90::moe_decode_gemm_fits(n, k_bytes, num_experts);
@@ -181,9 +185,8 @@ bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t expected_rows, int6
                 sm90::kMoeDecodeStepBytes, " == 0, got N=", n, " and ", k_bytes, " bytes of K");
     return true;
   }
-  const bool few_rows = expected_rows >= 0
-                            ? expected_rows <= std::min(kMoeDecodeMaxRows, num_experts)
-                            : rows <= kMoeDecodeMaxRows || rows <= kMoeDecodeMaxRowsPerExpert * num_experts;
+  const int64_t routed_rows = expected_rows >= 0 ? expected_rows : rows;
+  const bool few_rows = routed_rows <= kMoeDecodeMaxRows || routed_rows <= max_rows_per_expert * num_experts;
   if (tactic != -1 || !fits || !few_rows || tactic_override_sm90(family) >= 0) return false;
   const int64_t ctas = std::min(rows, num_experts) * (n / 64);  // the grid (CTAs of experts without rows exit)
   return ctas >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -269,7 +272,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
               " on ", workspace_in.device());
   if (decode_takes_activations(quantize_x, x_scale.has_value(), x.numel(), tactic, "x", op) &&
       use_decode_kernel(tactic, s.rows, expected_rows, w1.size(1), x.size(1) * w1.element_size(), w1.size(0),
-                        tactic_family(GroupedGemmOp::kFwd, w1.scalar_type(), h_dtype), op)) {
+                        kMoeDecodeGemm1MaxRowsPerExpert, tactic_family(GroupedGemmOp::kFwd, w1.scalar_type(), h_dtype), op)) {
     TORCH_CHECK(aligned16(w1), op, ": w1 must be 16-byte aligned");
     const at::Tensor w1_scale_contiguous = w1_scale ? w1_scale->contiguous() : at::Tensor();
     auto a = decode_gemm_args(x, w1, expert_offsets, s.rows, x_scale, quantize_x, w1_scale_contiguous, out);
@@ -373,7 +376,8 @@ void gemm2_into(const at::Tensor& intermediate, const at::Tensor& w2, const at::
   const bool decode =
       decode_takes_activations(quantize_a, a_scale.has_value(), intermediate.numel(), tactic, "the intermediate",
                                op) &&
-      (use_decode_kernel(tactic, shape.sum_m, shape.expected_rows, shape.n, k_bytes, shape.num_groups, family, op) ||
+      (use_decode_kernel(tactic, shape.sum_m, shape.expected_rows, shape.n, k_bytes, shape.num_groups,
+                         kMoeDecodeGemm2MaxRowsPerExpert, family, op) ||
        (quantize_a && tactic == -1 && sm90::moe_decode_gemm_fits(shape.n, k_bytes, shape.num_groups)));
   if (decode) {
     const auto a_in = intermediate.contiguous();
@@ -488,8 +492,9 @@ void moe_gemm2_finalize_out_cuda(const at::Tensor& intermediate_in, const at::Te
   c10::cuda::CUDAGuard guard(intermediate_in.device());
   select_kernel_arch(intermediate_in.get_device(), op);
   const auto family = tactic_family(GroupedGemmOp::kFwd, w2.scalar_type(), out.scalar_type());
-  const bool decode = use_decode_kernel(tactic, s.gemm.sum_m, s.gemm.expected_rows, s.gemm.n,
-                                        s.gemm.k * w2.element_size(), s.gemm.num_groups, family, op);
+  const bool decode =
+      use_decode_kernel(tactic, s.gemm.sum_m, s.gemm.expected_rows, s.gemm.n, s.gemm.k * w2.element_size(),
+                        s.gemm.num_groups, kMoeDecodeGemm2MaxRowsPerExpert, family, op);
   if (!decode && s.finalize.num_tokens > 0) {
     const auto intermediate = intermediate_in.contiguous();
     const auto permuted_to_expanded = permuted_to_expanded_in.contiguous();

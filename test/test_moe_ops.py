@@ -431,19 +431,18 @@ def test_gemm2_finalize_rejects_bad_inputs():
         op(inter, w2, offsets, p2e[:6], e2p[:6], scales[:3], out[:3])
 
 
-# The decode kernel (tactic -2; chosen automatically for up to 64 rows, or 4 rows per expert for GEMM1 and 2 for
-# GEMM2) against the CPU ops: a hot expert (two 32-row passes), an EP shard (dropped routes: zeroed tail rows), top-1,
+# The decode kernel (tactic -2; chosen automatically for up to 4 rows per expert for GEMM1 and 2 for GEMM2)
+# against the CPU ops: a hot expert (two 32-row passes), an EP shard (dropped routes: zeroed tail rows), top-1,
 # one token, 4 rows per expert (GEMM1 on the decode kernel, GEMM2 not); hidden 2560 bf16 stages B in several K chunks.
 DECODE_CASES = {"one_token": (1, 8, 64, 64, 0), "hot_expert": (40, 2, 8, 8, 0), "ep_shard": (12, 8, 64, 16, 16),
                 "top1": (5, 1, 16, 16, 0), "four_per_expert": (40, 4, 40, 40, 0)}
 
 
 def decode_is_automatic(rows, num_experts, n, rows_per_expert):
-    """tactic -1's rule (moe_cuda.cpp): up to 64 rows or `rows_per_expert` per expert (GEMM1 4,
+    """tactic -1's rule (moe_cuda.cpp): up to `rows_per_expert` rows per expert on average (GEMM1 4,
     GEMM2 2), and a grid of CTAs that covers the SMs."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return ((rows <= 64 or rows <= rows_per_expert * num_experts)
-            and min(rows, num_experts) * (n // 64) >= sms)
+    return rows <= rows_per_expert * num_experts and min(rows, num_experts) * (n // 64) >= sms
 
 
 def quantize_per_expert(w):

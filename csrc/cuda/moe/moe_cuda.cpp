@@ -156,10 +156,10 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 
 // The MoE GEMMs' decode kernel (moe_decode_sm90.cu) streams each expert's weights once for a few
 // token rows with less fixed cost than the grouped GEMM; its passes grow with the rows per expert
-// (one wgmma N block to four), the grouped GEMM's do not. tactic -2 forces it; -1 takes it for up
-// to kMoeDecodeMaxRows rows (T * top_k), or up to a number of rows per local expert on average
-// that differs per GEMM, when its grid (one CTA per 64 weight rows of each possible expert) covers
-// the SMs -- unless a grouped GEMM tactic is forced for the family (benchmarks, autotuner). An
+// (one wgmma N block to four), the grouped GEMM's do not. tactic -2 forces it; -1 takes it up to a
+// number of rows per local expert on average that differs per GEMM, when its grid (one CTA per 64
+// weight rows of each possible expert) covers the SMs -- unless a grouped GEMM tactic is forced for
+// the family (benchmarks, autotuner). An
 // expert-parallel shard's GEMM (expected_rows >= 0: its share of the T * top_k routes) is judged by
 // that share. H200 sweeps, decode kernel against the grouped GEMM per GEMM, graph replays
 // (benchmarks/results/sweep_decode_rows_h200_s33.txt):
@@ -170,8 +170,9 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 // - GEMM2 ahead up to 2 rows per expert (Kimi shard 1.3-2 rows -4 to -5%); at 3-4 rows mixed:
 //   Qwen3-235B and Step-3.5 bf16 ahead, Step-3.5 fp8 +9%, Qwen3-30B with the fused finalize +5 to
 //   +7% (the grouped GEMM's scatter twin combines in its epilogue).
+// Up to session 32 any 64 rows also took it: Mixtral (E = 8) at 6 / 8 rows per expert ran GEMM1
+// 10 / 30% and GEMM2 16 / 31% slower on it than on the swap-AB tile (sweep_decode_rows_h200_s33.txt).
 constexpr int64_t kMoeDecodeTactic = -2;
-constexpr int64_t kMoeDecodeMaxRows = 64;
 constexpr int64_t kMoeDecodeGemm1MaxRowsPerExpert = 4;
 constexpr int64_t kMoeDecodeGemm2MaxRowsPerExpert = 2;
 
@@ -186,7 +187,7 @@ bool use_decode_kernel(int64_t tactic, int64_t rows, int64_t expected_rows, int6
     return true;
   }
   const int64_t routed_rows = expected_rows >= 0 ? expected_rows : rows;
-  const bool few_rows = routed_rows <= kMoeDecodeMaxRows || routed_rows <= max_rows_per_expert * num_experts;
+  const bool few_rows = routed_rows <= max_rows_per_expert * num_experts;
   if (tactic != -1 || !fits || !few_rows || tactic_override_sm90(family) >= 0) return false;
   const int64_t ctas = std::min(rows, num_experts) * (n / 64);  // the grid (CTAs of experts without rows exit)
   return ctas >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

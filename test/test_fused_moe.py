@@ -207,11 +207,12 @@ def test_pdl_changes_no_number():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the layer kernel is CUDA's")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["one_token", "ep_shard_one_token"])
+@pytest.mark.parametrize("case", ["one_token", "ep_shard_one_token", "two_tokens"])
 def test_one_token_runs_the_layer_kernel(dtype, case, monkeypatch):
-    """T=1 on CUDA is one moe_forward_out launch (the layer kernel takes H=512, I=256); it matches
+    """T <= 2 on CUDA is one moe_forward_out launch (the layer kernel takes H=512, I=256); it matches
     the float32 reference and the staged ops (LAYER_MAX_TOKENS=0) within their tolerance."""
-    t, k, e, e_local, offset = (1, 8, 128, 128, 0) if case == "one_token" else (1, 8, 64, 16, 16)
+    t, k, e, e_local, offset = {"one_token": (1, 8, 128, 128, 0), "ep_shard_one_token": (1, 8, 64, 16, 16),
+                                "two_tokens": (2, 8, 128, 128, 0)}[case]
     x, ids, scales, w1, w2 = moe_problem(t, k, e, e_local, 512, 256, "cuda", dtype)
     ids[0, :3] = torch.tensor([16, 17, 40])  # three routes in the shard (ep), the rest mostly outside
     w1i = interleave_up_gate_sm90(w1)

@@ -23,7 +23,7 @@ measured slower there) combine in float32 in a fixed order (``moe_finalize``). O
 128x256 cooperative tiles up to 2I = 2048, GEMM1's mainloop gathers x's rows itself (no gather
 kernel); the other tiles read a gathered copy (benchmarks/NOTES.md, sessions 22, 26 and 30: on
 Hopper neither cp.async nor a TMA per row feeds the 64-row pingpong tiles). A decode token
-(``LAYER_MAX_TOKENS``: T=1, shapes :func:`layer_fits` takes, no buffer or tile override) runs the
+(``LAYER_MAX_TOKENS``: T <= 2, shapes :func:`layer_fits` takes, no buffer or tile override) runs the
 whole layer as one launch (``moe_forward_out``: GEMM1 + SwiGLU, GEMM2 and the fixed-order combine,
 with grid barriers; given the shard's expected routes, it spreads a phase with few items over the
 idle CTAs).
@@ -53,10 +53,13 @@ _NAME = "cake_ops.fused_moe_bf16"
 
 
 # Tokens up to which a CUDA forward runs as one moe_forward_out launch (the layer kernel), when it
-# takes the shapes and no buffer or tile override asks for the staged ops (H200: benchmarks/NOTES.md,
-# session 12); StepFun's default plan follows the same rule. Benchmarks set 0 to time the staged ops
-# on the same build.
-LAYER_MAX_TOKENS = 1
+# takes the shapes and no buffer or tile override asks for the staged ops. H200, graph replays against
+# the staged ops in one run (benchmarks/NOTES.md, sessions 12, 29 and 33): T=1 -1 to -24%, T=2 -1 to
+# -24% (Qwen3-30B 0.047 vs 0.054 ms, Qwen3-235B 0.150 vs 0.153, Mixtral 0.324 vs 0.326, Kimi-K2 EP8
+# shard 0.035 vs 0.047; results/ab_layer_phase2_prefetch_h200_s29.txt); from T=4 slower (one item per
+# route: routes sharing an expert read it once each). Benchmarks set 0 to time the staged ops on the
+# same build.
+LAYER_MAX_TOKENS = 2
 _LAYER_MAX_ROUTES = 64  # kMoeDecodeLayerMaxRoutes
 _DECODE_STEP_BYTES = 256  # kMoeDecodeStepBytes
 _DECODE_MAX_AMAX_ELEMENTS = 1 << 15  # kMoeDecodeMaxAmaxElements

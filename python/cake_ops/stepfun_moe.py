@@ -120,11 +120,18 @@ def plans_for(family: str) -> List[Plan]:
         Plan(family, 64, LAYER_STAGES)]
 
 
+# The layer plan by default up to this many tokens (and fused_moe.LAYER_MAX_TOKENS, which benchmarks set
+# to 0 for the staged ops): measured at T=1 (benchmarks/NOTES.md, sessions 12-13); fused_moe_bf16 runs the
+# layer kernel at T=2 too, which the StepFun shapes (routing in front, E=64 sharing more experts between
+# two tokens' routes) have not been measured at.
+LAYER_PLAN_MAX_TOKENS = 1
+
+
 def default_plan(family: str, num_tokens: int, top_k: int, num_local_experts: int, intermediate: int) -> Plan:
     """The family's plan with the tile rule of fused_moe_bf16 (64 below 64 rows per expert); fp8
     at decode sizes folds requant into fc2; a decode token (T=1) runs the layer plan."""
     _check_family("default_plan", family)
-    if num_tokens <= fused_moe.LAYER_MAX_TOKENS:  # fused_moe_bf16's rule for the same kernel
+    if num_tokens <= min(fused_moe.LAYER_MAX_TOKENS, LAYER_PLAN_MAX_TOKENS):
         return Plan(family, 64, LAYER_STAGES)
     return _staged_plan(family, num_tokens, top_k, num_local_experts, intermediate)
 

@@ -42,7 +42,7 @@ def floor_ms(ids, offset, e_local, bytes_per_expert):
 def fused_moe_rows(args, timer):
     print(f"{'model':13} {'T':>4} {'layer':>8} {'fused':>8} {'det':>8} {'/fused':>7} {'floor':>8} {'x floor':>7} "
           f"{'was':>7}  (ms, graph replays)", flush=True)
-    for name in args.models.split(","):
+    for name in filter(None, args.models.split(",")):
         e, k, h, inter, e_local, offset = MODELS[name]
         seed_case(name)
         w1 = fm.interleave_up_gate_sm90((torch.randn(e_local, 2 * inter, h, device="cuda") / h**0.5).bfloat16())
@@ -79,7 +79,7 @@ def fused_moe_rows(args, timer):
 def stepfun_rows(args, timer):
     print(f"\n{'shape':15} {'fam':5} {'T':>4} {'layer':>8} {'staged':>8} {'/staged':>7} {'floor':>8} {'x floor':>7}"
           f" {'fp8/bf16 layer':>14} {'staged':>7}  (ms, graph replays of stepfun_moe, routing included)", flush=True)
-    for name in args.shapes.split(","):
+    for name in filter(None, args.shapes.split(",")):
         e, k, h, inter = SHAPES[name]
         seed_case(name)
         w1, w2 = random_weights(e, h, inter, "cuda")
@@ -92,8 +92,8 @@ def stepfun_rows(args, timer):
             for family in ("bf16", "fp8"):
                 weights = sm.prepare_weights(w1, w2, LIMIT, family=family)
                 layer_plan = sm.Plan(family, 64, sm.LAYER_STAGES)
-                staged_plan = sm.default_plan(family, 2, k, e, inter)  # the staged plan T=1 ran before
-                staged_plan = sm.Plan(family, 64, staged_plan.stages)
+                # The staged plan of this T (the default's stages past the layer plan's tokens), on 64-row tiles.
+                staged_plan = sm.Plan(family, 64, sm._staged_plan(family, t, k, e, inter).stages)
                 fns = {"layer": (lambda: sm.stepfun_moe(x, weights, logits, top_k=k, plan=layer_plan), None),
                        "staged": (lambda: sm.stepfun_moe(x, weights, logits, top_k=k, plan=staged_plan), None)}
                 same = torch.equal(fns["layer"][0](), fns["staged"][0]())

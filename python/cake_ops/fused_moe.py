@@ -22,7 +22,7 @@ the decode kernel, the swap-AB tiles and the 64-row tiles past I = 4096 (their a
 measured slower there) combine in float32 in a fixed order (``moe_finalize``). On the
 128x256 cooperative tiles up to 2I = 2048, GEMM1's mainloop gathers x's rows itself (no gather
 kernel); the other tiles read a gathered copy (benchmarks/NOTES.md, sessions 22, 26 and 30: on
-Hopper neither cp.async nor a TMA per row feeds the 64-row pingpong tiles). A decode token
+Hopper neither cp.async nor a TMA per row feeds the 64-row pingpong tiles). A decode batch
 (``LAYER_MAX_TOKENS``: T <= 2, shapes :func:`layer_fits` takes, no buffer or tile override) runs the
 whole layer as one launch (``moe_forward_out``: GEMM1 + SwiGLU, GEMM2 and the fixed-order combine,
 with grid barriers; given the shard's expected routes, it spreads a phase with few items over the
@@ -245,7 +245,7 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
             o is None for o in (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
                                 gemm2_raster_along_m))
             and layer_fits(num_tokens * top_k, hidden, intermediate, x.element_size())):
-        # A decode token: the whole layer in one launch (moe_finalize's fixed-order combine, which
+        # A decode batch: the whole layer in one launch (moe_finalize's fixed-order combine, which
         # the fused finalize's contract allows too).
         out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
         torch.ops.cake.moe_forward_out(x, ids, scales, w1_weight, w2_weight, local_expert_offset, out,

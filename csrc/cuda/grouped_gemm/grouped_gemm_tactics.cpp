@@ -188,9 +188,9 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
         case TacticFamily::kDgradBf16:
           // The fwd rules' fixed-operand tiles (session 24): 64x256 pingpong from 33 to 640 rows per group,
           // then 128x256 cooperative.
-          c[f] = {named("ping_64x256x64_c1x1"), -1, named("fixed_ping_64x256x64_c1x1"), -1, named("fixed_ping_64x256x64_c1x1"),
-                  640, named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c1x2"),
-                  named("fixed_coop_128x256x64_c2x1"), -1};
+          c[f] = {named("ping_64x256x64_c1x1"), -1, named("fixed_ping_64x256x64_c1x1"), -1,
+                  named("fixed_ping_64x256x64_c1x1"), 640, named("fixed_coop_128x256x64_c1x2"),
+                  named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c2x1"), -1};
           break;
         default:  // wgrad (bf16 or float32 out): the groups' rows are the reduction; the output is E dense N x K tiles
           // Every size on the fixed-operand cooperative tile (session 25, results/ab_wgrad_fixed_h200.txt):

@@ -159,10 +159,9 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 // (one wgmma N block to four), the grouped GEMM's do not. tactic -2 forces it; -1 takes it up to a
 // number of rows per local expert on average that differs per GEMM, when its grid (one CTA per 64
 // weight rows of each possible expert) covers the SMs -- unless a grouped GEMM tactic is forced for
-// the family (benchmarks, autotuner). An
-// expert-parallel shard's GEMM (expected_rows >= 0: its share of the T * top_k routes) is judged by
-// that share. H200 sweeps, decode kernel against the grouped GEMM per GEMM, graph replays
-// (benchmarks/results/sweep_decode_rows_h200_s33.txt):
+// the family (benchmarks, autotuner). An expert-parallel shard's GEMM (expected_rows >= 0: its
+// share of the T * top_k routes) is judged by that share. H200 sweeps, decode kernel against the
+// grouped GEMM per GEMM, graph replays (benchmarks/results/sweep_decode_rows_h200_s33.txt):
 // - GEMM1 (2I = 1536-4096, K = 2048-7168) ahead up to 4 rows per expert: Qwen3-30B / Qwen3-235B
 //   at 3 and 4 rows -4% / -1 to -2%, StepFun bf16 / fp8 at 4 rows -4% / -3%, Step-3.5-Flash at
 //   2.7-3.6 rows -2 to -4%, the Kimi-K2 shard at 0.7-2.7 rows -3%; behind from 6 rows (+0 to +8%)
@@ -171,7 +170,7 @@ void moe_routing_out_cuda(const c10::optional<at::Tensor>& router_logits, const 
 //   Qwen3-235B and Step-3.5 bf16 ahead, Step-3.5 fp8 +9%, Qwen3-30B with the fused finalize +5 to
 //   +7% (the grouped GEMM's scatter twin combines in its epilogue).
 // Up to session 32 any 64 rows also took it: Mixtral (E = 8) at 6 / 8 rows per expert ran GEMM1
-// 10 / 30% and GEMM2 16 / 31% slower on it than on the swap-AB tile (sweep_decode_rows_h200_s33.txt).
+// 10 / 30% and GEMM2 16 / 31% slower on it than on the swap-AB tile (sweep_decode_edges_h200_s33.txt).
 constexpr int64_t kMoeDecodeTactic = -2;
 constexpr int64_t kMoeDecodeGemm1MaxRowsPerExpert = 4;
 constexpr int64_t kMoeDecodeGemm2MaxRowsPerExpert = 2;
@@ -273,7 +272,8 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
               " on ", workspace_in.device());
   if (decode_takes_activations(quantize_x, x_scale.has_value(), x.numel(), tactic, "x", op) &&
       use_decode_kernel(tactic, s.rows, expected_rows, w1.size(1), x.size(1) * w1.element_size(), w1.size(0),
-                        kMoeDecodeGemm1MaxRowsPerExpert, tactic_family(GroupedGemmOp::kFwd, w1.scalar_type(), h_dtype), op)) {
+                        kMoeDecodeGemm1MaxRowsPerExpert, tactic_family(GroupedGemmOp::kFwd, w1.scalar_type(), h_dtype),
+                        op)) {
     TORCH_CHECK(aligned16(w1), op, ": w1 must be 16-byte aligned");
     const at::Tensor w1_scale_contiguous = w1_scale ? w1_scale->contiguous() : at::Tensor();
     auto a = decode_gemm_args(x, w1, expert_offsets, s.rows, x_scale, quantize_x, w1_scale_contiguous, out);

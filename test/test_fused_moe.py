@@ -205,14 +205,26 @@ def test_pdl_changes_no_number():
     assert torch.equal(with_pdl, fused_moe_bf16(x, ids, scales, w1, w2, e, k, enable_pdl=False))
 
 
+def test_layer_kernel_rule():
+    """The layer kernel up to T=2, and on a shard while it expects at most 8 routes (the Kimi-K2 EP8 shard,
+    48 of 384 experts, to T=8); staged ops past that, and for the whole expert set from T=4."""
+    runs = cake_ops.fused_moe.runs_layer_kernel
+    assert runs(1, 8, 128, 128) and runs(2, 8, 128, 128) and runs(2, 2, 8, 8)
+    assert not runs(4, 8, 128, 128) and not runs(4, 2, 8, 8)
+    assert runs(4, 8, 48, 384) and runs(8, 8, 48, 384) and not runs(9, 8, 48, 384)
+    assert runs(2, 8, 64, 128) and not runs(3, 8, 64, 128)  # an EP2 shard: 8 of 16 routes at T=2, 12 at T=3
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="the layer kernel is CUDA's")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["one_token", "ep_shard_one_token", "two_tokens"])
+@pytest.mark.parametrize("case", ["one_token", "ep_shard_one_token", "two_tokens", "ep_shard_eight_routes"])
 def test_one_token_runs_the_layer_kernel(dtype, case, monkeypatch):
-    """T <= 2 on CUDA is one moe_forward_out launch (the layer kernel takes H=512, I=256); it matches
-    the float32 reference and the staged ops (LAYER_MAX_TOKENS=0) within their tolerance."""
+    """T <= 2 on CUDA, or a shard expecting at most 8 of the routes (here 8 tokens x 8 x 8 / 64), is one
+    moe_forward_out launch (the layer kernel takes H=512, I=256); it matches the float32 reference and the
+    staged ops (LAYER_MAX_TOKENS = LAYER_MAX_SHARD_ROUTES = 0) within their tolerance."""
     t, k, e, e_local, offset = {"one_token": (1, 8, 128, 128, 0), "ep_shard_one_token": (1, 8, 64, 16, 16),
-                                "two_tokens": (2, 8, 128, 128, 0)}[case]
+                                "two_tokens": (2, 8, 128, 128, 0), "ep_shard_eight_routes": (8, 8, 64, 8, 16)}[case]
+    assert cake_ops.fused_moe.runs_layer_kernel(t, k, e_local, e)
     x, ids, scales, w1, w2 = moe_problem(t, k, e, e_local, 512, 256, "cuda", dtype)
     ids[0, :3] = torch.tensor([16, 17, 40])  # three routes in the shard (ep), the rest mostly outside
     w1i = interleave_up_gate_sm90(w1)
@@ -225,6 +237,7 @@ def test_one_token_runs_the_layer_kernel(dtype, case, monkeypatch):
     want = reference.moe_forward(x, ids, scales, w1, w2, e_local, offset)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     monkeypatch.setattr(cake_ops.fused_moe, "LAYER_MAX_TOKENS", 0)
+    monkeypatch.setattr(cake_ops.fused_moe, "LAYER_MAX_SHARD_ROUTES", 0)
     torch.testing.assert_close(fused_moe_bf16(x, ids, scales, w1i, w2, e, k, e_local, offset, use_fused_finalize=False),
                                out, rtol=1e-2, atol=1e-2)
 

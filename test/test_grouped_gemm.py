@@ -387,10 +387,11 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
     # T=1: 8 experts x 24 tiles of 128 rows fill 2 waves of 132 SMs to 73%; 64-row tiles 97%
     ("fwd_e4m3", 64, 8, 3072, 4096, "fwd_e4m3_swapab_ping_64x16x512_c1x1"),
     ("fwd", 64, 8, 3072, 4096, "fwd_bf16_swapab_ping_64x16x256_c1x1"),
-    ("fwd", 2, 64, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),     # 32 rows an expert: 128x32
+    ("fwd", 2, 64, 1536, 2048, "fwd_bf16_fixed_ping_128x128x64_c1x2"),  # 32 rows an expert: a 128-row tile
     ("fwd_e4m3", 64, 8, 4096, 1536, "fwd_e4m3_swapab_coop_128x32x256_c1x1"),      # 256 tiles: 97% either way
     ("fwd_e4m3", 64, 16384, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1"),  # 256 rows / expert
-    ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),
+    ("fwd_e4m3", 288, 16384, 4096, 1280, "fwd_e4m3_ping_64x256x128_c1x1"),          # 57 rows / expert
+    ("fwd_e4m3", 288, 131072, 4096, 1280, "fwd_e4m3_coop_128x256x128_c1x2_rasterN_swz4"),  # 455 rows
     ("fwd_e4m3", 64, 65536, 4352, 1536, "fwd_e4m3_coop_128x256x128_c2x1"),         # 17 N tiles
     ("dgrad", 4, 112576, 6144, 2048, "dgrad_bf16_fixed_coop_128x256x64_c1x2"),
     ("wgrad", 128, 65536, 2048, 768, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),    # 512 rows: fixed operands
@@ -423,6 +424,19 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
     ("fwd", 48, 16384, 4096, 7168, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),    # any K (Kimi-K2 shard)
     ("fwd", 128, 2048, 2048, 768, "fwd_bf16_fixed_ping_64x256x64_c1x1", "scatter"),   # 16 rows: its scatter twin
     ("fwd", 128, 2048, 2048, 768, "fwd_bf16_swapab_coop_128x32x128_c1x1", "none"),     # ... the plain GEMM
+    ("fwd", 128, 2048, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1", "swiglu"),   # 16 rows: swap-AB
+    ("fwd", 128, 3328, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1", "swiglu"),   # 26: 26 + sqrt(26) <= 32
+    ("fwd", 128, 3456, 1536, 2048, "fwd_bf16_fixed_ping_128x128x64_c1x2", "swiglu"),   # 27 rows: a 128-row tile
+    ("fwd", 128, 4096, 1536, 2048, "fwd_bf16_fixed_ping_128x128x64_c1x2", "swiglu"),   # 32 rows (Qwen3-30B T=512)
+    ("fwd", 128, 14976, 1536, 2048, "fwd_bf16_fixed_ping_128x128x64_c1x2", "swiglu"),  # 117: 117 + sqrt(117) <= 128
+    ("fwd", 128, 15104, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),   # 118 rows: 64-row tiles
+    ("fwd", 128, 16384, 1536, 2048, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),   # 128 (Qwen3-30B T=2048)
+    ("fwd", 8, 192, 28672, 4096, "fwd_bf16_swapab_coop_128x32x128_c1x1", "swiglu"),    # 24 rows (Mixtral T=96)
+    ("fwd", 8, 256, 28672, 4096, "fwd_bf16_fixed_ping_128x128x64_c1x2", "swiglu"),     # 32 rows (Mixtral T=128)
+    ("fwd", 8, 256, 4096, 14336, "fwd_bf16_fixed_ping_128x128x64_c1x2", "scatter"),    # ... GEMM2 past the K bound
+    ("fwd_e4m3", 64, 1536, 3072, 4096, "fwd_e4m3_swapab_coop_128x32x256_c1x1", "swiglu"),  # e4m3 24 rows: swap-AB
+    ("fwd_e4m3", 64, 2048, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1", "swiglu"),  # 32 rows: swap-AB overflows
+    ("fwd_e4m3", 64, 4096, 4096, 1536, "fwd_e4m3_ping_64x256x128_c1x1", "none"),    # 64 rows
     ("fwd", 8, 128, 4096, 14336, "fwd_bf16_swapab_coop_128x32x128_c1x1", "scatter"),   # past the twin's K bound
     ("fwd", 8, 128, 2048, 768, "fwd_bf16_swapab_coop_128x32x128_c1x1", "scatter"),     # 64 tiles: SMs left idle
     ("fwd_f16", 128, 32768, 1536, 2048, "fwd_f16_coop_128x256x64_c1x2", "none"),   # float16: no such tile
@@ -431,11 +445,12 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
 ])
 def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
     """bfloat16: under the fused finalize from 1 row per group the 64x256 tile's scatter twin where it runs and its
-    tiles cover the SMs (else swap-AB, GEMM2 and the finalize kernel); 33 to 128 rows per group 128x128 pingpong (in
-    a 1x2 cluster where its N tiles pair up), 129 to 640 rows 64x256 pingpong, both with fixed
-    operands, for every epilogue; under the fused finalize the 64x256 tile up to 1024 rows where K <= 4096 (its
-    scatter twin's bound; past it, up to 640 rows, the plain GEMM and the finalize kernel); e4m3 fwd: 129 to
-    384 rows 64x256 pingpong."""
+    tiles cover the SMs (else swap-AB up to 26 rows per group, GEMM2 and the finalize kernel); otherwise swap-AB up
+    to 26 rows per group (while its 32-row token tiles hold the mean plus its square root); then up to 117 rows per
+    group 128x128 pingpong (the same margin in 128 rows; in a 1x2 cluster where its N tiles pair up), then up to 640
+    rows 64x256 pingpong, both with fixed operands, for every epilogue; under the fused finalize the 64x256 tile up
+    to 1024 rows where K <= 4096 (its scatter twin's bound; past it, up to 640 rows, the plain GEMM and the finalize
+    kernel); e4m3 fwd: swap-AB up to 26 rows, then to 384 rows 64x256 pingpong."""
     names = cake_ops._C.grouped_gemm_tactics(family)
     assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue)] == expected
 
@@ -443,7 +458,8 @@ def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
 def test_heuristic_expected_rows():
     """The MoE GEMMs' expected_routes: a Kimi-K2 EP8 shard (48 of 384 experts) at T=1024, top-8, runs
-    GEMM1 over 8192 rows of which ~1024 are its own: 21 per expert, the swap-AB regime."""
+    GEMM1 over 8192 rows of which ~1024 are its own: 21 per expert, the swap-AB regime (its 32-row token
+    tiles hold 21 + sqrt(21) rows)."""
     names = cake_ops._C.grouped_gemm_tactics("fwd")
     tactic_for = cake_ops._C.grouped_gemm_tactic_for
     # Without the hint: 170 rows per expert, the small-groups rule's 64x256 pingpong tile.
@@ -451,6 +467,8 @@ def test_heuristic_expected_rows():
     # T=4096: 85 rows per expert, weight-bound: one 128-row tile per expert, not the 64-row tiles.
     assert names[tactic_for("fwd", 48, 32768, 4096, 7168, 4096)] == "fwd_bf16_fixed_ping_128x128x64_c1x2"
     assert names[tactic_for("fwd", 48, 8192, 4096, 7168, 1024)] == "fwd_bf16_swapab_coop_128x32x128_c1x1"
+    # T=1536: 32 per expert, more than swap-AB's 32-row token tiles hold for the fuller experts.
+    assert names[tactic_for("fwd", 48, 12288, 4096, 7168, 1536)] == "fwd_bf16_fixed_ping_128x128x64_c1x2"
     assert tactic_for("fwd", 48, 8192, 4096, 7168, -1) == tactic_for("fwd", 48, 8192, 4096, 7168)
     # A hint above sum_m counts as sum_m.
     assert tactic_for("fwd", 48, 1024, 4096, 7168, 8192) == tactic_for("fwd", 48, 1024, 4096, 7168)

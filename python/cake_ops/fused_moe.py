@@ -23,7 +23,8 @@ measured slower there) combine in float32 in a fixed order (``moe_finalize``). O
 128x256 cooperative tiles up to 2I = 2048, GEMM1's mainloop gathers x's rows itself (no gather
 kernel); the other tiles read a gathered copy (benchmarks/NOTES.md, sessions 22, 26 and 30: on
 Hopper neither cp.async nor a TMA per row feeds the 64-row pingpong tiles). A decode batch
-(``LAYER_MAX_TOKENS``: T <= 2, shapes :func:`layer_fits` takes, no buffer or tile override) runs the
+(``LAYER_MAX_TOKENS``: T <= 2, or an expert-parallel shard's expected share of the routes up to
+``LAYER_MAX_SHARD_ROUTES``; shapes :func:`layer_fits` takes, no buffer or tile override) runs the
 whole layer as one launch (``moe_forward_out``: GEMM1 + SwiGLU, GEMM2 and the fixed-order combine,
 with grid barriers; given the shard's expected routes, it spreads a phase with few items over the
 idle CTAs).
@@ -60,6 +61,11 @@ _NAME = "cake_ops.fused_moe_bf16"
 # route: routes sharing an expert read it once each). Benchmarks set 0 to time the staged ops on the
 # same build.
 LAYER_MAX_TOKENS = 2
+# An expert-parallel shard runs it too while its expected share of the routes (T * top_k * E_local / E,
+# :func:`expected_routes`) is at most this many: its routes seldom share an expert, which is where the
+# layer kernel loses. The Kimi-K2 EP8 shard (48 of 384 experts) at T=4 / 8 (~4 / 8 of its 32 / 64 routes):
+# 0.132 vs 0.136 ms, 0.234 vs 0.242 (session 34, results/ab_layer_shard_h200_s34.txt). Benchmarks set 0 too.
+LAYER_MAX_SHARD_ROUTES = 8
 _LAYER_MAX_ROUTES = 64  # kMoeDecodeLayerMaxRoutes
 _DECODE_STEP_BYTES = 256  # kMoeDecodeStepBytes
 _DECODE_MAX_AMAX_ELEMENTS = 1 << 15  # kMoeDecodeMaxAmaxElements
@@ -107,6 +113,13 @@ def expected_routes(routes: int, num_local_experts: int, num_experts: int) -> in
     if num_local_experts >= num_experts:
         return -1
     return -(-routes * num_local_experts // num_experts)
+
+
+def runs_layer_kernel(num_tokens: int, top_k: int, num_local_experts: int, num_experts: int) -> bool:
+    """Whether a CUDA forward of these many tokens takes the one-launch layer kernel (where
+    :func:`layer_fits` takes the shapes): a decode batch, or a shard's few expected routes."""
+    shard_routes = expected_routes(num_tokens * top_k, num_local_experts, num_experts)
+    return num_tokens <= LAYER_MAX_TOKENS or 0 <= shard_routes <= LAYER_MAX_SHARD_ROUTES
 
 
 def _shape(t: torch.Tensor) -> list:
@@ -241,12 +254,12 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     _check_overrides(hidden, intermediate, tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k,
                      gemm2_cluster_shape_mn, gemm2_raster_along_m)
 
-    if (x.is_cuda and num_tokens <= LAYER_MAX_TOKENS and intermediate_buffer is None and all(
-            o is None for o in (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
-                                gemm2_raster_along_m))
+    if (x.is_cuda and runs_layer_kernel(num_tokens, top_k, num_local, num_experts) and intermediate_buffer is None
+            and all(o is None for o in (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
+                                        gemm2_raster_along_m))
             and layer_fits(num_tokens * top_k, hidden, intermediate, x.element_size())):
-        # A decode batch: the whole layer in one launch (moe_finalize's fixed-order combine, which
-        # the fused finalize's contract allows too).
+        # A decode batch (or a shard's few routes): the whole layer in one launch (moe_finalize's
+        # fixed-order combine, which the fused finalize's contract allows too).
         out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
         torch.ops.cake.moe_forward_out(x, ids, scales, w1_weight, w2_weight, local_expert_offset, out,
                                        x.new_empty(0, dtype=torch.uint8), enable_pdl,

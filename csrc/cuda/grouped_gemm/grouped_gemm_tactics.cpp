@@ -7,6 +7,7 @@
 
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -128,7 +129,7 @@ struct HeuristicChoices {
   int few_rows_narrow;    // the same with half the weight rows per tile, for fuller waves; -1: none
   int short_groups;       // 33 to 128 rows per group; -1: none (the medium or large rule)
   int short_groups_pair;  // the same where its N tiles pair up for a 1x2 cluster; -1: as short_groups
-  int small_groups;       // 129 rows per group up to small_groups_max_rows; -1: none
+  int small_groups;       // up to small_groups_max_rows rows per group (past the rules above); -1: none
   int small_groups_max_rows;
   int medium_groups;      // up to 2048 rows per group, N tiles pair up (else large_groups_odd); -1: none
   int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
@@ -180,7 +181,8 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
           // 128x256 cooperative with the 1x2 cluster (837-966 TFLOP/s, 8-18% over 128x128 pingpong);
           // no medium-group or weight-in-L2 rule measured for fp8.
           // Decode with few experts touched: the bf16 rule's 64x16 tile, K stages of the same bytes.
-          // Small groups (129-384 rows): 64x256 pingpong, K tiles of the same bytes as bf16's
+          // Small groups (from where swap-AB's token tiles overflow to 384 rows): 64x256 pingpong, K tiles of the
+          // same bytes as bf16's
           // (session 17: at 256 rows per expert it beats the cooperative tile, 414 vs 452 us).
           c[f] = {named("swapab_coop_128x32x" + k128 + "_c1x1"), named("swapab_ping_64x16x512_c1x1"), -1, -1,
                   named("ping_64x256x128_c1x1"), 384, -1, coop_1x2, coop_2x1, -1};
@@ -322,6 +324,31 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   const bool small_groups_scatter_twin_runs =
       twin == EpilogueTwin::kScatter && c.small_groups >= 0 &&
       epilogue_twin_sm90(tactics_sm90(family)[c.small_groups], twin, s) != nullptr;
+  // The tile's N side: fwd N, dgrad K, wgrad K (the output is [N, K] per group).
+  const bool fwd =
+      family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16 || family == TacticFamily::kFwdE4m3;
+  const int64_t n_extent = fwd ? s.n : s.k;
+  // Whether the N side's tiles `tile_n` wide pair up (for a 1x2 cluster).
+  auto n_tiles_pair = [&](int64_t tile_n) { return ((n_extent + tile_n - 1) / tile_n) % 2 == 0; };
+  // 33 to 128 rows per group (Qwen3 at T = 1024, the Kimi-K2 shard at T = 4096): the weight stream bounds the
+  // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows), one 128-row tile per group reads each weight tile
+  // once, and 64-row ptr-array tiles read them twice (the Kimi-K2 shard at 85 rows ran 20% slower with them).
+  constexpr int64_t kShortGroupMaxRows = 128;
+  // A tile holds a group's rows only while the group fits: routed counts spread around their mean by about
+  // its square root, and the groups past a tile's rows take a second one, which streams their weights again.
+  // So a rule takes a tile while the mean plus its square root fits (swap-AB's 32-row token tiles up to 26
+  // rows per group, the 128-row tile up to 117), where ~10% of the groups overflow. Session 34 (H200, ABAB,
+  // results/ab_short_groups_h200_s34.txt): at 32 rows per group the 128x128 tile over swap-AB -15 to -24% end
+  // to end (Qwen3-235B T=512, Mixtral T=128, Step-3.5 T=1152), at 28 -5 to -10% (Mixtral T=112, Step-3.5
+  // T=1024), at 24 +12% on Mixtral (T=96; its 128-row MMAs cost as much as its weight stream) and -2 to 0% on
+  // Qwen3; 64x256 over the 128-row tile at 128 rows -15 to -17% (Qwen3 T=2048).
+  auto groups_fit = [&](int64_t tile_rows) {
+    return double(rows_per_group) + std::sqrt(double(rows_per_group)) <= double(tile_rows);
+  };
+  // Past that, bf16 fwd takes the short-groups tile below and e4m3 its small-groups tile (64x256 pingpong: at
+  // 28 / 32 rows -4 to -24% per GEMM, at 64-128 -2 to -9%; results/sweep_e4m3_rows_h200_s34.txt).
+  const bool swap_ab_overflows =
+      (family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdE4m3) && !groups_fit(32);
   if (rows_per_group <= 32) {
     // Under the fused finalize the swap-AB tiles have no scatter twin (GEMM2, then the finalize kernel); the
     // 64x256 tile's twin combines in its epilogue: at 16 rows per group 6 / 20 us less (Qwen3-30B / Qwen3-235B
@@ -329,22 +356,15 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
     // results/ab_few_rows_scatter_h200_s32.txt). The decode kernel, where it runs, is chosen before this. Only
     // where its 256-wide weight tiles still cover the SMs (the 128-wide swap-AB tiles make twice as many).
     if (small_groups_scatter_twin_runs && weight_tiles(s, 256) >= sm_count()) return c.small_groups;
-    return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
+    if (!swap_ab_overflows) {
+      return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
+    }
   }
-  // 33 to 128 rows per group (Qwen3 at T = 1024, the Kimi-K2 shard at T = 4096): the weight stream bounds the
-  // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows), one 128-row tile per group reads each weight tile
-  // once, and 64-row ptr-array tiles read them twice (the Kimi-K2 shard at 85 rows ran 20% slower with them).
-  constexpr int64_t kShortGroupMaxRows = 128;
-  // The tile's N side: fwd N, dgrad K, wgrad K (the output is [N, K] per group).
-  const bool fwd =
-      family == TacticFamily::kFwdBf16 || family == TacticFamily::kFwdF16 || family == TacticFamily::kFwdE4m3;
-  const int64_t n_extent = fwd ? s.n : s.k;
-  // Whether the N side's tiles `tile_n` wide pair up (for a 1x2 cluster).
-  auto n_tiles_pair = [&](int64_t tile_n) { return ((n_extent + tile_n - 1) / tile_n) % 2 == 0; };
-  if (c.short_groups >= 0 && rows_per_group <= kShortGroupMaxRows) {
+  const bool short_groups_fit = rows_per_group <= kShortGroupMaxRows && groups_fit(kShortGroupMaxRows);
+  if (c.short_groups >= 0 && short_groups_fit) {
     return c.short_groups_pair >= 0 && n_tiles_pair(128) ? c.short_groups_pair : c.short_groups;
   }
-  // From 129 rows per group (the MoE GEMMs of Qwen3 at T = 4096, Mixtral at T = 1024): 64-row tiles waste
+  // Past the 128-row tile (the MoE GEMMs of Qwen3 at T = 2048-4096, Mixtral at T = 1024): 64-row tiles waste
   // fewer rows of each group's last tile, and the pingpong overlaps one warp group's epilogue with the other's
   // MMAs. Ptr-array 64x256 (sessions 16-19, results/sweep_moe_gemm_h200_mid_t.txt): GEMM1 -1 to -8%, plain
   // GEMM2 -4 to -10%; any K since the zeroing of GEMM1's unread tail went (ab_gemm1_tail_h200.txt).
@@ -353,12 +373,13 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // tile's warp groups both stall for theirs: up to 1024 rows per group it leads the cooperative scatter twin
   // too (Qwen3-30B / Qwen3-235B GEMM2 at T=16384, 1024 rows: 733 vs 778 / 2510 vs 2606 us; session 31).
   // e4m3 (64x256x128): StepFun issue geometry T=2048 0.80 -> 0.75 ms (results/ab_fp8_ping_64x256_h200.txt).
-  constexpr int64_t kSmallGroupMinRows = 129;
   constexpr int64_t kScatterSmallGroupMaxRows = 1024;
   const int64_t small_groups_max_rows = small_groups_scatter_twin_runs
                                             ? std::max<int64_t>(c.small_groups_max_rows, kScatterSmallGroupMaxRows)
                                             : c.small_groups_max_rows;
-  if (c.small_groups >= 0 && rows_per_group >= kSmallGroupMinRows && rows_per_group <= small_groups_max_rows) {
+  // Any size up to its bound that the rules above did not take (for bf16 fwd, groups the 128-row tile does not
+  // hold; for e4m3, from where swap-AB overflows).
+  if (c.small_groups >= 0 && rows_per_group <= small_groups_max_rows) {
     return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an

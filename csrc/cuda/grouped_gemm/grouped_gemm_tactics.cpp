@@ -338,10 +338,10 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // its square root, and the groups past a tile's rows take a second one, which streams their weights again.
   // So a rule takes a tile while the mean plus its square root fits (swap-AB's 32-row token tiles up to 26
   // rows per group, the 128-row tile up to 117), where ~10% of the groups overflow. Session 34 (H200, ABAB,
-  // results/ab_short_groups_h200_s34.txt): at 32 rows per group the 128x128 tile over swap-AB -15 to -24% end
+  // results/ab_short_groups_h200_s34.txt): at 32 rows per group the 128x128 tile over swap-AB -14 to -24% end
   // to end (Qwen3-235B T=512, Mixtral T=128, Step-3.5 T=1152), at 28 -5 to -10% (Mixtral T=112, Step-3.5
   // T=1024), at 24 +12% on Mixtral (T=96; its 128-row MMAs cost as much as its weight stream) and -2 to 0% on
-  // Qwen3; 64x256 over the 128-row tile at 128 rows -15 to -17% (Qwen3 T=2048).
+  // Qwen3; 64x256 over the 128-row tile at 128 rows -12 to -17% (Qwen3 T=2048).
   auto groups_fit = [&](int64_t tile_rows) {
     return double(rows_per_group) + std::sqrt(double(rows_per_group)) <= double(tile_rows);
   };

@@ -2,7 +2,8 @@
 staged ops on the same build, in one run: CUDA-graph replays timed in rotation after an L2 flush.
 
 fused_moe_bf16 models: the layer op (any T with T * top_k <= 64) against fused_moe_bf16 with the
-layer off (fused_moe.LAYER_MAX_TOKENS = LAYER_MAX_SHARD_ROUTES = 0: sort, GEMM1, GEMM2 and finalize, both finalize paths).
+layer off (fused_moe.LAYER_MAX_TOKENS = LAYER_MAX_SHARD_ROUTES = 0: sort, GEMM1, GEMM2 and finalize,
+both finalize paths).
 StepFun families: the layer plan against the staged default plan (routing included in both), and
 the fp8 / bf16 ratio each way (issue 5's T <= 64 target). x floor: over the weight bytes of the
 experts touched / 4.8 TB/s.

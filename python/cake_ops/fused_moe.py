@@ -254,6 +254,9 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     _check_overrides(hidden, intermediate, tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k,
                      gemm2_cluster_shape_mn, gemm2_raster_along_m)
 
+    # A shard's kernels size their work by its expected share of the routes: the layer kernel spreads a phase
+    # of few items over the idle CTAs, the GEMMs choose their tiles by it (tuned under that bucket too).
+    hint = expected_routes(num_tokens * top_k, num_local, num_experts)
     if (x.is_cuda and runs_layer_kernel(num_tokens, top_k, num_local, num_experts) and intermediate_buffer is None
             and all(o is None for o in (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
                                         gemm2_raster_along_m))
@@ -262,8 +265,7 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
         # fixed-order combine, which the fused finalize's contract allows too).
         out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
         torch.ops.cake.moe_forward_out(x, ids, scales, w1_weight, w2_weight, local_expert_offset, out,
-                                       x.new_empty(0, dtype=torch.uint8), enable_pdl,
-                                       expected_routes=expected_routes(num_tokens * top_k, num_local, num_experts))
+                                       x.new_empty(0, dtype=torch.uint8), enable_pdl, expected_routes=hint)
         return out
     tile = tile_size or default_tile_size(num_tokens, top_k, num_local, intermediate)
     _, offsets, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
@@ -278,8 +280,6 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     overrides = (tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k, gemm2_cluster_shape_mn,
                  gemm2_raster_along_m, intermediate_buffer)
     tune = tuning_active() and x.is_cuda and all(o is None for o in overrides)
-    # A shard's GEMMs choose their tiles by its expected share of the routes (tuned under that bucket too).
-    hint = expected_routes(num_tokens * top_k, num_local, num_experts)
     routes = num_tokens * top_k if hint < 0 else hint
     # GEMM1's rows past the last local expert's end are left unwritten (zero_tail=False): GEMM2 and
     # the finalize never read them, and on an expert-parallel shard they are most of the tensor

@@ -127,7 +127,7 @@ int find(TacticFamily family, const std::string& name) {
 struct HeuristicChoices {
   int few_rows;           // a few rows per group: weight-bandwidth bound
   int few_rows_narrow;    // the same with half the weight rows per tile, for fuller waves; -1: none
-  int short_groups;       // 33 to 128 rows per group; -1: none (the medium or large rule)
+  int short_groups;       // groups one 128-row tile holds (past swap-AB's); -1: none (the later rules)
   int short_groups_pair;  // the same where its N tiles pair up for a 1x2 cluster; -1: as short_groups
   int small_groups;       // up to small_groups_max_rows rows per group (past the rules above); -1: none
   int small_groups_max_rows;
@@ -330,7 +330,7 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   const int64_t n_extent = fwd ? s.n : s.k;
   // Whether the N side's tiles `tile_n` wide pair up (for a 1x2 cluster).
   auto n_tiles_pair = [&](int64_t tile_n) { return ((n_extent + tile_n - 1) / tile_n) % 2 == 0; };
-  // 33 to 128 rows per group (Qwen3 at T = 1024, the Kimi-K2 shard at T = 4096): the weight stream bounds the
+  // Up to 128 rows per group (Qwen3 at T = 1024, the Kimi-K2 shard at T = 4096): the weight stream bounds the
   // GEMM (the ridge: ~700 TFLOP/s / 4.8 TB/s = 146 rows), one 128-row tile per group reads each weight tile
   // once, and 64-row ptr-array tiles read them twice (the Kimi-K2 shard at 85 rows ran 20% slower with them).
   constexpr int64_t kShortGroupMaxRows = 128;
@@ -360,8 +360,7 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
       return c.few_rows_narrow >= 0 && narrow_weight_tiles_fill_better(s) ? c.few_rows_narrow : c.few_rows;
     }
   }
-  const bool short_groups_fit = rows_per_group <= kShortGroupMaxRows && groups_fit(kShortGroupMaxRows);
-  if (c.short_groups >= 0 && short_groups_fit) {
+  if (c.short_groups >= 0 && groups_fit(kShortGroupMaxRows)) {
     return c.short_groups_pair >= 0 && n_tiles_pair(128) ? c.short_groups_pair : c.short_groups;
   }
   // Past the 128-row tile (the MoE GEMMs of Qwen3 at T = 2048-4096, Mixtral at T = 1024): 64-row tiles waste

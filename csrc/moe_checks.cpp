@@ -36,7 +36,8 @@ MoeSortShape check_moe_sort(const at::Tensor& ids, int64_t num_experts, int64_t 
 
 MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
                               const at::Tensor& permuted_to_expanded,
-                              const at::Tensor& expert_offsets, int64_t top_k, const char* op) {
+                              const at::Tensor& expert_offsets, int64_t top_k, const char* op,
+                              const c10::optional<at::Tensor>& expanded_to_permuted) {
   TORCH_CHECK(x.dim() == 2, op, ": x must be a 2-D [num_tokens, hidden] tensor, got shape ", x.sizes());
   TORCH_CHECK(w1.dim() == 3 && w1.size(2) == x.size(1) && w1.size(1) % 64 == 0, op,
               ": w1 must be [E_local, 2I, hidden=", x.size(1), "] with I % 32 == 0, got shape ", w1.sizes());
@@ -56,6 +57,13 @@ MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
                   expert_offsets.scalar_type() == at::kInt,
               op, ": expert_offsets must be int32 [E_local + 1] = [", w1.size(0) + 1, "], got ",
               expert_offsets.scalar_type(), " ", expert_offsets.sizes());
+  if (expanded_to_permuted) {
+    const auto& e2p = *expanded_to_permuted;
+    TORCH_CHECK(e2p.dim() == 1 && e2p.size(0) == permuted_to_expanded.size(0) && e2p.scalar_type() == at::kInt &&
+                    e2p.device() == x.device(),
+                op, ": expanded_to_permuted must be int32 [num_tokens * top_k] = [", permuted_to_expanded.size(0),
+                "] on ", x.device(), " (moe_sort's), got ", e2p.scalar_type(), " ", e2p.sizes(), " on ", e2p.device());
+  }
   return {permuted_to_expanded.size(0), w1.size(1) / 2};
 }
 

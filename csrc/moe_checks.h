@@ -50,9 +50,11 @@ struct MoeGemm1Shape {
   int64_t intermediate = 0;  // I (w1 holds 2I rows)
 };
 
+// expanded_to_permuted (optional): moe_sort's inverse of permuted_to_expanded, shape and dtype checked here.
 MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
                               const at::Tensor& permuted_to_expanded,
-                              const at::Tensor& expert_offsets, int64_t top_k, const char* op);
+                              const at::Tensor& expert_offsets, int64_t top_k, const char* op,
+                              const c10::optional<at::Tensor>& expanded_to_permuted = c10::nullopt);
 
 struct MoeFinalizeShape {
   int64_t num_tokens = 0;

@@ -81,11 +81,15 @@ TORCH_LIBRARY(cake, m) {
   // then the fp8 path. expected_routes (all the MoE GEMMs; -1: every row): how many of the
   // T * top_k rows the caller expects to be routed to this shard's experts (an expert-parallel
   // shard gets about T * top_k * E_local / E); the automatic tactic choice sizes the groups by it.
-  // A hint only: results never depend on it.
+  // A hint only: results never depend on it. expanded_to_permuted (GEMM1): moe_sort's inverse of
+  // permuted_to_expanded; given, a large x is gathered in token order through it instead of an
+  // inverse built on the way (a memset and a kernel less; a row that does not map back is a
+  // device-side error).
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
-      "Tensor? w1_scale=None, int expected_routes=-1, bool zero_tail=True) -> Tensor");
+      "Tensor? w1_scale=None, int expected_routes=-1, bool zero_tail=True, Tensor? expanded_to_permuted=None) "
+      "-> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. bfloat16 intermediate with float8_e4m3fn w2: quantized
   // per tensor on the way in (a_scale static, or dynamic), bit for bit quantize_fp8 then the fp8
@@ -118,7 +122,8 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_gemm1_swiglu_out(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, int top_k, "
       "Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, "
-      "Tensor? x_scale=None, Tensor? w1_scale=None, int expected_routes=-1, bool zero_tail=True) -> ()");
+      "Tensor? x_scale=None, Tensor? w1_scale=None, int expected_routes=-1, bool zero_tail=True, "
+      "Tensor? expanded_to_permuted=None) -> ()");
   // moe_gemm2 into a caller-owned out [T * top_k, H] with a workspace of
   // grouped_gemm_workspace_size(E_local) bytes (empty: allocated by the op).
   m.def(

@@ -434,6 +434,13 @@ def test_heuristic_choices(family, e, sum_m, n, k, expected):
     ("fwd", 8, 192, 28672, 4096, "fwd_bf16_swapab_coop_128x32x128_c1x1", "swiglu"),    # 24 rows (Mixtral T=96)
     ("fwd", 8, 256, 28672, 4096, "fwd_bf16_fixed_ping_128x128x64_c1x2", "swiglu"),     # 32 rows (Mixtral T=128)
     ("fwd", 8, 256, 4096, 14336, "fwd_bf16_fixed_ping_128x128x64_c1x2", "scatter"),    # ... GEMM2 past the K bound
+    # Mixtral GEMM2 (K = 14336): the cooperative tile where 128-row tiles pad no more than 64-row ones
+    ("fwd", 8, 1536, 4096, 14336, "fwd_bf16_coop_128x256x64_c2x1_swz4", "none"),       # 192 rows: 256 either way
+    ("fwd", 8, 1536, 4096, 14336, "fwd_bf16_coop_128x256x64_c2x1_swz4", "scatter"),
+    ("fwd", 8, 2560, 4096, 14336, "fwd_bf16_coop_128x256x64_c1x2_rasterN", "none"),    # 320 rows: 384, 3 row tiles
+    ("fwd", 8, 1280, 4096, 14336, "fwd_bf16_fixed_ping_64x256x64_c1x1", "none"),       # 160 rows: 192 vs 256
+    ("fwd", 8, 2048, 4096, 14336, "fwd_bf16_fixed_ping_64x256x64_c1x1", "none"),       # 256 rows: 320 vs 384
+    ("fwd", 8, 1536, 28672, 4096, "fwd_bf16_fixed_ping_64x256x64_c1x1", "swiglu"),     # GEMM1 (K = 4096): 64x256
     ("fwd_e4m3", 64, 1536, 3072, 4096, "fwd_e4m3_swapab_coop_128x32x256_c1x1", "swiglu"),  # e4m3 24 rows: swap-AB
     ("fwd_e4m3", 64, 2048, 3072, 4096, "fwd_e4m3_ping_64x256x128_c1x1", "swiglu"),  # 32 rows: swap-AB overflows
     ("fwd_e4m3", 64, 4096, 4096, 1536, "fwd_e4m3_ping_64x256x128_c1x1", "none"),    # 64 rows
@@ -450,7 +457,9 @@ def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
     group 128x128 pingpong (the same margin in 128 rows; in a 1x2 cluster where its N tiles pair up), then up to 640
     rows 64x256 pingpong, both with fixed operands, for every epilogue; under the fused finalize the 64x256 tile up
     to 1024 rows where K <= 4096 (its scatter twin's bound; past it, up to 640 rows, the plain GEMM and the finalize
-    kernel); e4m3 fwd: swap-AB up to 26 rows, then to 384 rows 64x256 pingpong."""
+    kernel), but from K = 8192 the 128x256 cooperative tile where the groups fill no more 128-row tiles than they pad
+    64-row ones to (2x1 cluster where those pair up, else 1x2); e4m3 fwd: swap-AB up to 26 rows, then to 384 rows
+    64x256 pingpong."""
     names = cake_ops._C.grouped_gemm_tactics(family)
     assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue)] == expected
 

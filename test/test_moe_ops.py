@@ -183,6 +183,58 @@ def test_gemm1_gathers_a_large_x_in_token_order(mapping):
     torch.testing.assert_close(got[:kept], want[:kept], rtol=2e-2, atol=2e-2)
 
 
+@cuda_only
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gemm1_token_order_through_the_sort_inverse(w_dtype):
+    """Given moe_sort's expanded_to_permuted, a large x is gathered in token order through it (no inverse built on
+    the way): bit for bit the op without it, on an EP shard (dropped routes) with a hot expert and an empty one;
+    e4m3 w1 quantizes x in the same gather (a dynamic scale)."""
+    t, k, e, e_local, offset, hidden, inter = 4096, 2, 16, 8, 4, 2048, 64
+    x, _, _, w1, _ = moe_problem(t, k, e, e_local, hidden, inter, "cuda", torch.bfloat16)
+    assert x.numel() * x.element_size() >= 16 << 20  # the token-order threshold (kTokenOrderMinXBytes)
+    ids = torch.randint(0, e, (t, k), dtype=torch.int32, device="cuda")
+    ids[: t // 2, 0] = offset + 1  # a hot expert
+    ids[ids == offset + 5] = offset + 6  # an empty one
+    w1 = interleave_up_gate_sm90(w1)
+    opt = {}
+    if w_dtype == torch.float8_e4m3fn:
+        w1, opt["w1_scale"] = quantize_per_expert(w1)
+    _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 64)
+    kept = int(offsets[-1])
+    assert 0 < kept < t * k and int(offsets[6] - offsets[5]) == 0
+    want = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, **opt)
+    got = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, expanded_to_permuted=e2p, **opt)
+    assert torch.equal(got[:kept], want[:kept])
+    ref = torch.ops.cake.moe_gemm1_swiglu(x.cpu(), w1.cpu(), p2e.cpu(), offsets.cpu(), k,
+                                          expanded_to_permuted=e2p.cpu(), **{n: v.cpu() for n, v in opt.items()})
+    torch.testing.assert_close(got[:kept].cpu().float(), ref[:kept].float(), rtol=5e-2, atol=5e-2)
+
+
+@cuda_only
+def test_gemm1_rejects_a_wrong_sort_inverse_on_gpu():
+    """An expanded_to_permuted that is not permuted_to_expanded's inverse (two kept routes swapped) stops the
+    token-order gather with the op's message (a device-side assert ends the CUDA context: a child process).
+    256 rows per expert: the 64x256 tile, which has no gathering mainloop, so the gather kernel runs."""
+    script = textwrap.dedent("""
+        import torch, cake_ops
+        from cake_ops.fused_moe import interleave_up_gate_sm90
+        t, k, e, hidden = 4096, 2, 32, 2048
+        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        w1 = interleave_up_gate_sm90(torch.randn(e, 128, hidden, device="cuda", dtype=torch.bfloat16))
+        ids = torch.randint(0, e, (t, k), dtype=torch.int32, device="cuda")
+        _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e, 0, 64)
+        e2p = e2p.clone()
+        e2p[[0, 1]] = e2p[[1, 0]]
+        torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, expanded_to_permuted=e2p)
+        torch.cuda.synchronize()
+        print("no error")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no error" not in output, output
+    assert "cake::moe_gemm1_swiglu: expanded_to_permuted must be the inverse of permuted_to_expanded" in output, output
+
+
 # GEMM1's SwiGLU twins (configs_sm90.inc): the fwd tiles whose epilogue applies the SwiGLU(Step) and stores
 # [rows, I] directly. Per family: (tactic name prefix, tiles with a twin).
 SWIGLU_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["ping_64x256x64_c1x1", "ping_128x128x64_c1x1",
@@ -648,6 +700,19 @@ class TestMoeSortErrors(OpErrorCase):
         self.assertExpectedInline(self.error(ids, 8, 4, 6, 64), """cake::moe_sort: the shard [local_expert_offset, local_expert_offset + num_local_experts) = [6, 10) must lie within [0, num_experts=8)""")
         self.assertExpectedInline(self.error(ids, 8, 9, 0, 64), """cake::moe_sort: num_local_experts must be in [1, num_experts=8], got 9""")
         self.assertExpectedInline(self.error(ids, 8, 8, 0, 0), """cake::moe_sort: tile_size must be positive, got 0""")
+
+
+class TestMoeGemm1InverseErrors(OpErrorCase):
+    op = staticmethod(torch.ops.cake.moe_gemm1_swiglu)
+
+    def test_errors(self):
+        x, ids, _, w1, _ = moe_problem(4, 2, 4, 4, 64, 32, "cpu", torch.bfloat16)
+        _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, 4, 4, 0, 64)
+        args = (x, interleave_up_gate_sm90(w1), p2e, offsets, 2)
+        self.assertExpectedInline(self.error(*args, expanded_to_permuted=e2p.long()), """cake::moe_gemm1_swiglu: expanded_to_permuted must be int32 [num_tokens * top_k] = [8] on cpu (moe_sort's), got Long [8] on cpu""")
+        self.assertExpectedInline(self.error(*args, expanded_to_permuted=e2p[:6]), """cake::moe_gemm1_swiglu: expanded_to_permuted must be int32 [num_tokens * top_k] = [8] on cpu (moe_sort's), got Int [6] on cpu""")
+        with self.assertRaisesRegex(RuntimeError, r"must be int32 \[num_tokens \* top_k\] = \[8\]"):
+            self.op(*(a.to("meta") for a in args[:4]), 2, expanded_to_permuted=e2p[:6].to("meta"))
 
 
 def test_interleave_up_gate_sm90():

@@ -90,9 +90,10 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             int64_t top_k, bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits,
                             int64_t /*tactic*/, const c10::optional<at::Tensor>& x_scale,
                             const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes,
-                            bool /*zero_tail: the CPU writes the zeros*/) {
+                            bool /*zero_tail: the CPU writes the zeros*/,
+                            const c10::optional<at::Tensor>& expanded_to_permuted /*checked; the CPU needs none*/) {
   const char* op = "cake::moe_gemm1_swiglu";
-  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
   check_expected_routes(expected_routes, op);
   const auto input = check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op);
   if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
@@ -169,10 +170,11 @@ void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::T
                           const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
                           bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
                           const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
-                          int64_t expected_routes, bool zero_tail) {
+                          int64_t expected_routes, bool zero_tail,
+                          const c10::optional<at::Tensor>& expanded_to_permuted) {
   const char* op = "cake::moe_gemm1_swiglu_out";
   check_expected_routes(expected_routes, op);
-  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
   check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
   const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), w1.element_size());
   TORCH_CHECK(workspace.scalar_type() == at::kByte && (workspace.numel() == 0 || workspace.numel() >= need), op,
@@ -180,7 +182,7 @@ void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::T
               " bytes (cake_ops._C.moe_gemm1_workspace_size), or empty, got ", workspace.scalar_type(), " ",
               workspace.sizes());
   out.copy_(moe_gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic,
-                             x_scale, w1_scale, expected_routes, zero_tail));
+                             x_scale, w1_scale, expected_routes, zero_tail, expanded_to_permuted));
 }
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
@@ -268,7 +270,7 @@ void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_exper
                                s.num_local_experts, local_expert_offset, /*tile_size=*/128);
   const auto& offsets = std::get<1>(sorted);
   const auto h = moe_gemm1_swiglu(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1, x_scale,
-                                  w1_scale, expected_routes, /*zero_tail=*/false);
+                                  w1_scale, expected_routes, /*zero_tail=*/false, std::get<3>(sorted));
   const auto rows = moe_gemm2(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, expected_routes);
   out.copy_(moe_finalize(rows, std::get<3>(sorted), token_final_scales, enable_pdl));
 }

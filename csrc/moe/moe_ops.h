@@ -22,7 +22,8 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
                             int64_t top_k, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits,
                             int64_t tactic, const c10::optional<at::Tensor>& x_scale,
-                            const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes, bool zero_tail);
+                            const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes, bool zero_tail,
+                            const c10::optional<at::Tensor>& expanded_to_permuted);
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                      bool enable_pdl, int64_t tactic, const c10::optional<at::Tensor>& a_scale,

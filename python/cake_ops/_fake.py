@@ -194,12 +194,14 @@ def _check_expected_routes(expected_routes, op):
 
 @register_fake("cake::moe_gemm1_swiglu")
 def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True, clamp_limits=None,
-                           tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1, zero_tail=True):
+                           tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1, zero_tail=True,
+                           expanded_to_permuted=None):
     return _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes,
-                             "cake::moe_gemm1_swiglu")
+                             expanded_to_permuted, "cake::moe_gemm1_swiglu")
 
 
-def _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes, op):
+def _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes, expanded_to_permuted,
+                      op):
     _check_expected_routes(expected_routes, op)
     _check(x.dim() == 2 and w1.dim() == 3, f"{op}: x must be [num_tokens, hidden] and w1 [E_local, 2I, hidden]")
     _check(w1.shape[2] == x.shape[1] and w1.shape[1] % 64 == 0,
@@ -209,6 +211,11 @@ def _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, exp
            f"{w1.dtype}")
     _check(permuted_to_expanded.shape == (x.shape[0] * top_k,),
            f"{op}: permuted_to_expanded must be int32 [num_tokens * top_k] = [{x.shape[0] * top_k}]")
+    if expanded_to_permuted is not None:
+        _check(expanded_to_permuted.shape == permuted_to_expanded.shape and expanded_to_permuted.dtype == torch.int32,
+               f"{op}: expanded_to_permuted must be int32 [num_tokens * top_k] = [{x.shape[0] * top_k}] on "
+               f"{x.device} (moe_sort's), got {expanded_to_permuted.dtype} {list(expanded_to_permuted.shape)} on "
+               f"{expanded_to_permuted.device}")
     _check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op)
     return x.new_empty((x.shape[0] * top_k, w1.shape[1] // 2), dtype=_moe_gemm_out_dtype(x))
 
@@ -312,9 +319,9 @@ def _moe_routing_out_fake(router_logits, topk_ids, topk_weights, top_k, num_expe
 @register_fake("cake::moe_gemm1_swiglu_out")
 def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, out, workspace, enable_pdl=True,
                                clamp_limits=None, tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1,
-                               zero_tail=True):
+                               zero_tail=True, expanded_to_permuted=None):
     want = _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes,
-                             "cake::moe_gemm1_swiglu_out")
+                             expanded_to_permuted, "cake::moe_gemm1_swiglu_out")
     _check(out.shape == want.shape and out.dtype == want.dtype,
            f"cake::moe_gemm1_swiglu_out: out must be [T * top_k, I] = {list(want.shape)} {want.dtype}, got "
            f"{list(out.shape)} {out.dtype}")

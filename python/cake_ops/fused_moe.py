@@ -286,16 +286,19 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     # (Kimi-K2 EP8 shard, T=16384: 2.69 -> 2.54 ms, benchmarks/results/ab_gemm1_tail_h200.txt).
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
-            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint, zero_tail=False),
-            x.device, "swiglu")
+            x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint, zero_tail=False,
+            expanded_to_permuted=expanded_to_permuted), x.device, "swiglu")
+    # GEMM1 gathers a large x in token order through the sort's inverse (expanded_to_permuted).
     if intermediate_buffer is not None:  # GEMM1 writes it in place (an empty workspace: the op sizes its own)
         torch.ops.cake.moe_gemm1_swiglu_out(x, w1_weight, permuted_to_expanded, offsets, top_k, intermediate_buffer,
                                             x.new_empty(0, dtype=torch.uint8), enable_pdl, tactic=gemm1_tactic,
-                                            expected_routes=hint, zero_tail=False)
+                                            expected_routes=hint, zero_tail=False,
+                                            expanded_to_permuted=expanded_to_permuted)
         inter = intermediate_buffer
     else:
         inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
-                                                tactic=gemm1_tactic, expected_routes=hint, zero_tail=False)
+                                                tactic=gemm1_tactic, expected_routes=hint, zero_tail=False,
+                                                expanded_to_permuted=expanded_to_permuted)
     gemm2_dims = (num_local, routes, hidden, intermediate)
     if use_fused_finalize:
         # GEMM2 adds the router-scaled rows into the output itself (atomics: one rounding per route).

@@ -415,7 +415,8 @@ def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOut
     return torch.ops.cake.moe_gemm1_swiglu(x, weights.w1, routed.permuted_idx_to_expanded_idx,
                                            routed.expert_offsets, routed.top_k, enable_pdl,
                                            weights.gemm1_clamp_limit, -1, x_scale, weights.w1_scale,
-                                           _expected_routes(routed, weights))
+                                           _expected_routes(routed, weights),
+                                           expanded_to_permuted=routed.expanded_idx_to_permuted_idx)
 
 
 # GEMM1 quantizing bf16 hidden states itself pays at decode only: the decode kernel takes their
@@ -613,7 +614,8 @@ def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: Ro
             torch.ops.cake.quantize_fp8_out(hidden_states, weights.fc1_input_scale, x.values, x.scale)
         torch.ops.cake.moe_gemm1_swiglu_out(x.values, weights.w1, routed.permuted_idx_to_expanded_idx,
                                             routed.expert_offsets, routed.top_k, out, workspace, enable_pdl,
-                                            weights.gemm1_clamp_limit, -1, x.scale, weights.w1_scale, hint)
+                                            weights.gemm1_clamp_limit, -1, x.scale, weights.w1_scale, hint,
+                                            expanded_to_permuted=routed.expanded_idx_to_permuted_idx)
     return _bound("fc1", run, [out])
 
 

@@ -135,6 +135,10 @@ struct HeuristicChoices {
   int large_groups;       // large groups, N tiles pair up for the 1x2 cluster
   int large_groups_odd;   // large groups, an odd number of 256-wide N tiles
   int large_groups_weight_in_l2;  // fwd: large groups, one expert's weight fits in L2; -1: none
+  // fwd: small groups with a long K, where 128-row tiles pad no more rows than 64-row ones: a 2x1 cluster where a
+  // group's 128-row tiles pair up, else 1x2; -1: none
+  int long_k_groups_m_pairs = -1;
+  int long_k_groups = -1;
 };
 
 const HeuristicChoices& heuristic_choices(TacticFamily family) {
@@ -170,7 +174,8 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
                     named("fixed_ping_128x128x64_c1x1"), named("fixed_ping_128x128x64_c1x2"),
                     named("fixed_ping_64x256x64_c1x1"), 640,
                     named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c1x2"),
-                    named("fixed_coop_128x256x64_c2x1"), named("ping_128x128x64_c1x1_rasterN")};
+                    named("fixed_coop_128x256x64_c2x1"), named("ping_128x128x64_c1x1_rasterN"),
+                    named("coop_128x256x64_c2x1_swz4"), named("coop_128x256x64_c1x2_rasterN")};
           } else {  // float16: the ptr-array tiles
             c[f] = {named("swapab_coop_128x32x128_c1x1"), -1, -1, -1, -1, 0, named("coop_128x256x64_c1x2"), coop_1x2,
                     coop_2x1, named("ping_128x128x64_c1x1_rasterN")};
@@ -362,6 +367,23 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   }
   if (c.short_groups >= 0 && groups_fit(kShortGroupMaxRows)) {
     return c.short_groups_pair >= 0 && n_tiles_pair(128) ? c.short_groups_pair : c.short_groups;
+  }
+  // A long K (Mixtral's GEMM2, K = 14336) makes each tile's epilogue a small share, so the pingpong tile's overlap
+  // of it is worth little and the larger cooperative tile wins wherever a group's routed rows (the mean plus its
+  // square root, as above) fill no more 128-row tiles than 64-row ones would pad to: at 192 / 224 / 320 rows per
+  // group -9 / -8 / -4% per GEMM2, at 160 / 256 / 384 / 512 (fewer padded rows in 64-row tiles) it loses or ties
+  // (H200, sessions 34-35, results/sweep_moe_gemm_h200_s34.txt and s35). The 2x1 cluster (two row tiles share
+  // the weight tile) where a group's 128-row tiles pair up (192-224 rows), else 1x2: at 320 rows (three row tiles)
+  // the 2x1 cluster ran the whole layer 7% slower. The ptr-array tile: at this K its descriptor updates cost
+  // nothing and it ran 1-3% ahead of the fixed one. Not measured between K = 4096 and 14336.
+  constexpr int64_t kLongK = 8192;
+  auto padded_rows = [&](int64_t tile_rows) {
+    const int64_t fill = static_cast<int64_t>(std::ceil(double(rows_per_group) + std::sqrt(double(rows_per_group))));
+    return (fill + tile_rows - 1) / tile_rows * tile_rows;
+  };
+  if (c.long_k_groups >= 0 && s.k >= kLongK && rows_per_group <= c.small_groups_max_rows &&
+      padded_rows(128) <= padded_rows(64)) {
+    return padded_rows(128) % 256 == 0 ? c.long_k_groups_m_pairs : c.long_k_groups;
   }
   // Past the 128-row tile (the MoE GEMMs of Qwen3 at T = 2048-4096, Mixtral at T = 1024): 64-row tiles waste
   // fewer rows of each group's last tile, and the pingpong overlaps one warp group's epilogue with the other's

@@ -237,7 +237,8 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                 const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
                 const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes, const MoeGemm1Shape& s,
-                at::Tensor& out, const at::Tensor& workspace_in, bool zero_tail, const char* op) {
+                at::Tensor& out, const at::Tensor& workspace_in, bool zero_tail,
+                const c10::optional<at::Tensor>& expanded_to_permuted, const char* op) {
   const int64_t expected_rows = check_expected_routes(expected_routes, op);
   const bool quantize_x =
       check_moe_gemm_input(x_in, x_scale, w1, w1_scale, "x", "w1", op) == MoeGemmInput::kQuantizeA;
@@ -300,7 +301,12 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
     return;
   }
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
-  auto* inverse = reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + layout.inverse_offset);
+  sm90::GatherInverse inverse;
+  inverse.scratch = reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + layout.inverse_offset);
+  if (expanded_to_permuted) {
+    TORCH_CHECK(expanded_to_permuted->is_contiguous(), op, ": expanded_to_permuted must be contiguous");
+    inverse.expanded_to_permuted = expanded_to_permuted->data_ptr<int32_t>();
+  }
   c10::optional<at::Tensor> gathered_scale = x_scale;
   if (quantize_x) {
     // [0]: the scale the gather quantizes with (what the GEMM scales by), [1]: a dynamic scale's amax.
@@ -333,12 +339,14 @@ at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, cons
                                  const at::Tensor& expert_offsets, int64_t top_k, bool enable_pdl,
                                  const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
                                  const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
-                                 int64_t expected_routes, bool zero_tail) {
+                                 int64_t expected_routes, bool zero_tail,
+                                 const c10::optional<at::Tensor>& expanded_to_permuted) {
   const char* op = "cake::moe_gemm1_swiglu";
-  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
   auto out = at::empty({s.rows, s.intermediate}, x.options().dtype(moe_gemm_out_dtype(x)));
   gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
-             expected_routes, s, out, at::empty({0}, x.options().dtype(at::kByte)), zero_tail, op);
+             expected_routes, s, out, at::empty({0}, x.options().dtype(at::kByte)), zero_tail, expanded_to_permuted,
+             op);
   return out;
 }
 
@@ -346,12 +354,13 @@ void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const 
                                const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
                                bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
                                const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
-                               int64_t expected_routes, bool zero_tail) {
+                               int64_t expected_routes, bool zero_tail,
+                               const c10::optional<at::Tensor>& expanded_to_permuted) {
   const char* op = "cake::moe_gemm1_swiglu_out";
-  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op);
+  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
   check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
   gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
-             expected_routes, s, out, workspace, zero_tail, op);
+             expected_routes, s, out, workspace, zero_tail, expanded_to_permuted, op);
 }
 
 void quantize_into(const at::Tensor& x_in, const c10::optional<at::Tensor>& scale, at::Tensor& out,
@@ -590,7 +599,7 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
                                     local_expert_offset, /*tile_size=*/128);
   const auto& offsets = std::get<1>(sorted);
   const auto h = moe_gemm1_swiglu_cuda(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1,
-                                       x_scale, w1_scale, expected_routes, /*zero_tail=*/false);
+                                       x_scale, w1_scale, expected_routes, /*zero_tail=*/false, std::get<3>(sorted));
   const auto rows = moe_gemm2_cuda(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, expected_routes);
   moe_finalize_out_cuda(rows, std::get<3>(sorted), scales, out, enable_pdl);
 }

@@ -30,22 +30,30 @@ struct MoeSortArgs {
 int64_t moe_sort_blocks(int64_t routes, int64_t num_local_experts);
 void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bool pdl);
 
+// What lets a large x be gathered in token order (read once): moe_sort's expanded_to_permuted
+// ([rows] int32, the inverse of permuted_to_expanded; each row is checked against it), or else
+// [rows + 1] int32 of scratch to build an inverse in; neither: the gather in row order.
+struct GatherInverse {
+  const int32_t* expanded_to_permuted = nullptr;
+  int32_t* scratch = nullptr;
+  bool available() const { return expanded_to_permuted != nullptr || scratch != nullptr; }
+};
+
 // gathered[p] = x[permuted_to_expanded[p] / top_k] for the kept rows p < *num_kept; the rest
 // of `gathered` is left untouched (the grouped GEMM reads no row past the last group end). An
-// index outside [0, rows) is a device-side error. `inverse` ([rows + 1] int32 scratch, or null)
-// lets a large x be gathered in token order (read once).
+// index outside [0, rows) is a device-side error.
 void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_to_expanded,
-                     int top_k, const int32_t* num_kept, int64_t rows, void* gathered, int32_t* inverse,
+                     int top_k, const int32_t* num_kept, int64_t rows, void* gathered, const GatherInverse& inverse,
                      cudaStream_t stream, bool pdl);
 
 // moe_gather_rows of bfloat16 x quantized to e4m3 on the way: gathered[p] = e4m3(x[token] / s)
 // (hidden % 16 == 0). s = *static_scale, or with static_scale null the dynamic
 // max(amax(|x|), 1e-12) / 448 over all of x ([tokens, hidden]); slots[0] = s (float32), slots[1]
-// holds the amax on the way. Bit for bit fp8_quantize then moe_gather_rows. `inverse` as
-// moe_gather_rows'.
+// holds the amax on the way. Bit for bit fp8_quantize then moe_gather_rows.
 void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, const int32_t* permuted_to_expanded,
                               int top_k, const int32_t* num_kept, int64_t rows, const float* static_scale,
-                              float* slots, void* gathered, int32_t* inverse, cudaStream_t stream, bool pdl);
+                              float* slots, void* gathered, const GatherInverse& inverse, cudaStream_t stream,
+                              bool pdl);
 
 // out[p, j] = silu(gate) * up of h[p] ([rows, 2I], up/gate interleaved at 32 columns), in fp32,
 // rounded once to the element type; rows p >= offsets[E] get zeros. With `limits` (float32

@@ -380,7 +380,10 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
 // -33% at Qwen3-235B). That order needs the inverse of permuted_to_expanded on the kept rows,
 // which only a permutation has: `inverse` ([rows + 1] int32) is all -1 (a memset) before
 // moe_invert_kernel; a second row naming the same route clears inverse[rows], and the gather then
-// copies row by row (any mapping stays legal input).
+// copies row by row (any mapping stays legal input). A caller holding moe_sort's
+// expanded_to_permuted passes that instead (no memset, no invert kernel, no break in the PDL
+// chain: ~4 us at Qwen3-30B T=4096); the gather checks each of its rows against
+// permuted_to_expanded.
 constexpr int64_t kTokenOrderMinXBytes = 16 << 20;  // x smaller than this stays in L2 anyway
 
 __global__ void moe_invert_kernel(const int32_t* permuted_to_expanded, const int32_t* num_kept, int64_t rows,
@@ -404,18 +407,19 @@ struct CopiedRows {
 // One warp per token: x[t] read once, written to the permuted rows of its kept routes; or, when
 // the mapping is no permutation, the warp copies the permuted rows [t * top_k, (t + 1) * top_k).
 // `out` (CopiedRows, QuantizedRows) writes 16-byte piece `index` of the gathered rows.
+// `no_permutation`: the invert kernel's flag (inverse + rows), or null for a caller's inverse.
 template <class Rows>
 __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
     moe_gather_tokens_kernel(const uint4* x, int64_t row_vecs, const int32_t* permuted_to_expanded, int top_k,
                              const int32_t* num_kept, int64_t tokens, int64_t rows, const int32_t* inverse,
-                             Rows out) {
+                             const int32_t* no_permutation, Rows out) {
   pdl_wait();
   pdl_launch_dependents();
   out.prepare();
   const int64_t t = int64_t(blockIdx.x) * kGatherRowsPerBlock + threadIdx.x / 32;
   if (t >= tokens) return;
   constexpr int kCopyUnroll = 8;
-  if (__ldcg(inverse + rows) != -1) {
+  if (no_permutation != nullptr && __ldcg(no_permutation) != -1) {
     const int64_t kept = min(int64_t(*num_kept), rows);
     for (int64_t row = t * top_k; row < (t + 1) * top_k && row < kept; ++row) {
       const uint4* __restrict__ src = x + gathered_token(permuted_to_expanded, row, rows, top_k) * row_vecs;
@@ -424,38 +428,60 @@ __global__ void __launch_bounds__(32 * kGatherRowsPerBlock)
     return;
   }
   const uint4* __restrict__ src = x + t * row_vecs;
-  for (int64_t i0 = threadIdx.x % 32; i0 < row_vecs; i0 += 32 * kCopyUnroll) {
-    uint4 v[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
-      if (i0 + 32 * u < row_vecs) v[u] = __ldg(src + i0 + 32 * u);
+  const int lane = threadIdx.x % 32;
+  // The token's routes, up to 32 at a time, one per lane: their rows load (and are checked) in parallel, not one
+  // dependent load per route (+4 us at Qwen3-30B T=4096 with the check), then reach the warp by shuffles.
+  for (int j0 = 0; j0 < top_k; j0 += 32) {
+    const int routes = min(32, top_k - j0);
+    const int64_t route = t * top_k + j0 + lane;
+    const int32_t lane_row = lane < routes ? __ldcg(inverse + route) : -1;  // -1: a dropped route (outside the shard)
+    if (no_permutation == nullptr && lane_row >= 0 &&
+        (lane_row >= rows || __ldg(permuted_to_expanded + lane_row) != route)) {
+      __assert_fail("cake::moe_gemm1_swiglu: expanded_to_permuted must be the inverse of permuted_to_expanded "
+                    "(moe_sort's)", __FILE__, __LINE__, __func__);
     }
-    for (int j = 0; j < top_k; ++j) {
-      const int32_t row = __ldcg(inverse + t * top_k + j);  // -1: a dropped route (outside the shard)
-      if (row < 0) continue;
+    // Warp-uniform trip counts (the shuffles need every lane); lanes past the row skip their copies.
+    for (int64_t base = 0; base < row_vecs; base += 32 * kCopyUnroll) {
+      const int64_t i0 = base + lane;
+      uint4 v[kCopyUnroll];
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
-        if (i0 + 32 * u < row_vecs) out.put(int64_t(row) * row_vecs + i0 + 32 * u, v[u]);
+        if (i0 + 32 * u < row_vecs) v[u] = __ldg(src + i0 + 32 * u);
+      }
+      for (int j = 0; j < routes; ++j) {
+        const int32_t row = __shfl_sync(0xffffffffu, lane_row, j);
+        if (row < 0) continue;
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          if (i0 + 32 * u < row_vecs) out.put(int64_t(row) * row_vecs + i0 + 32 * u, v[u]);
+        }
       }
     }
   }
 }
 
-// The token-order gather of `rows` routes: the inverse (memset, invert), then one warp per token.
+// The token-order gather of `rows` routes: through the caller's expanded_to_permuted, or an
+// inverse built in `scratch` (memset, invert), then one warp per token.
 template <class Rows>
 void launch_gather_tokens(const void* x, int64_t row_vecs, const int32_t* permuted_to_expanded, int top_k,
-                          const int32_t* num_kept, int64_t rows, int32_t* inverse, Rows out, cudaStream_t stream,
-                          bool pdl) {
-  // The memset is no kernel: the invert kernel after it launches without PDL.
-  C10_CUDA_CHECK(cudaMemsetAsync(inverse, 0xff, (rows + 1) * sizeof(int32_t), stream));
-  const int64_t invert_blocks = std::min<int64_t>((rows + 255) / 256, 4096);
-  launch_kernel(moe_invert_kernel, dim3(static_cast<unsigned>(invert_blocks)), dim3(256), 0, stream, false,
-                permuted_to_expanded, num_kept, rows, inverse);
+                          const int32_t* num_kept, int64_t rows, const GatherInverse& inverse, Rows out,
+                          cudaStream_t stream, bool pdl) {
+  const int32_t* route_rows = inverse.expanded_to_permuted;
+  const int32_t* no_permutation = nullptr;
+  if (route_rows == nullptr) {
+    // The memset is no kernel: the invert kernel after it launches without PDL.
+    C10_CUDA_CHECK(cudaMemsetAsync(inverse.scratch, 0xff, (rows + 1) * sizeof(int32_t), stream));
+    const int64_t invert_blocks = std::min<int64_t>((rows + 255) / 256, 4096);
+    launch_kernel(moe_invert_kernel, dim3(static_cast<unsigned>(invert_blocks)), dim3(256), 0, stream, false,
+                  permuted_to_expanded, num_kept, rows, inverse.scratch);
+    route_rows = inverse.scratch;
+    no_permutation = inverse.scratch + rows;
+  }
   const int64_t tokens = rows / top_k;
   const int64_t blocks = (tokens + kGatherRowsPerBlock - 1) / kGatherRowsPerBlock;
   launch_kernel(moe_gather_tokens_kernel<Rows>, dim3(static_cast<unsigned>(blocks)), dim3(32 * kGatherRowsPerBlock),
-                0, stream, pdl, static_cast<const uint4*>(x), row_vecs, permuted_to_expanded, top_k, num_kept, tokens,
-                rows, static_cast<const int32_t*>(inverse), out);
+                0, stream, pdl, static_cast<const uint4*>(x), row_vecs, permuted_to_expanded, top_k, num_kept,
+                tokens, rows, route_rows, no_permutation, out);
 }
 
 // ---- element conversions (8 values per 16 bytes) ----------------------------------------------
@@ -974,11 +1000,11 @@ void moe_sort(const MoeSortArgs& a, int32_t* block_rows, cudaStream_t stream, bo
 }
 
 void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_to_expanded, int top_k,
-                     const int32_t* num_kept, int64_t rows, void* gathered, int32_t* inverse, cudaStream_t stream,
-                     bool pdl) {
+                     const int32_t* num_kept, int64_t rows, void* gathered, const GatherInverse& inverse,
+                     cudaStream_t stream, bool pdl) {
   if (rows == 0 || row_bytes == 0) return;
   TORCH_CHECK(row_bytes % 16 == 0, "cake MoE gather: rows must be 16-byte multiples (internal error)");
-  if (inverse != nullptr && rows / top_k * row_bytes >= kTokenOrderMinXBytes) {
+  if (inverse.available() && rows / top_k * row_bytes >= kTokenOrderMinXBytes) {
     launch_gather_tokens(x, row_bytes / 16, permuted_to_expanded, top_k, num_kept, rows, inverse,
                          CopiedRows{static_cast<uint4*>(gathered)}, stream, pdl);
     return;
@@ -991,7 +1017,8 @@ void moe_gather_rows(const void* x, int64_t row_bytes, const int32_t* permuted_t
 
 void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, const int32_t* permuted_to_expanded,
                               int top_k, const int32_t* num_kept, int64_t rows, const float* static_scale,
-                              float* slots, void* gathered, int32_t* inverse, cudaStream_t stream, bool pdl) {
+                              float* slots, void* gathered, const GatherInverse& inverse, cudaStream_t stream,
+                              bool pdl) {
   if (rows == 0 || hidden == 0) return;
   TORCH_CHECK(hidden % 16 == 0, "cake MoE gather: hidden must be a multiple of 16 (internal error)");
   const auto xb = static_cast<const __nv_bfloat16*>(x);
@@ -1011,7 +1038,7 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
   }
   // Token order takes the static scale or the amax kernel's: its x is past kOwnAmax's size.
   static_assert(kTokenOrderMinXBytes / int64_t(sizeof(__nv_bfloat16)) > kQuantOneBlockMaxElements);
-  if (inverse != nullptr && n * int64_t(sizeof(__nv_bfloat16)) >= kTokenOrderMinXBytes) {
+  if (inverse.available() && n * int64_t(sizeof(__nv_bfloat16)) >= kTokenOrderMinXBytes) {
     launch_gather_tokens(x, hidden / 8, permuted_to_expanded, top_k, num_kept, rows, inverse,
                          QuantizedRows{static_cast<Bytes8*>(gathered), static_scale, amax_bits, slots, 0.0f}, stream,
                          pdl);

@@ -16,7 +16,7 @@ from bench_fused_moe import MODELS, routing
 from bench_grouped_gemm import Timer, seed_case
 from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES, random_weights
 from cake_ops import stepfun_moe as sm
-from cake_ops.fused_moe import interleave_up_gate_sm90
+from cake_ops.fused_moe import expected_routes, interleave_up_gate_sm90
 
 TACTIC_FAMILY = {"bf16": "fwd", "fp8": "fwd_e4m3"}
 
@@ -75,23 +75,27 @@ def model_weights(name):
 
 def model_gemms(name, w1, w2, t):
     """The MoE GEMMs of T routed tokens of a model shape, each as tactic -> launch: "gemm1" (gather,
-    GEMM, SwiGLU), "gemm2" and "gemm2 fused finalize" (the scatter epilogue twin where there is one)."""
+    GEMM, SwiGLU), "gemm2" and "gemm2 fused finalize" (the scatter epilogue twin where there is one). An
+    EP shard's GEMMs get fused_moe_bf16's expected_routes hint, so "automatic" is its choice."""
     e, k, h, inter, e_local, offset = MODELS[name]
     seed_case(name, t)
     x = torch.randn(t, h, device="cuda").bfloat16()
     ids, scales = routing(t, e, k, "cuda")
     _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, e, e_local, offset, 128)
     out = x.new_empty(t, h)
+    hint = expected_routes(t * k, e_local, e)
     act = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k)
 
     def gemm1(tactic):
-        return lambda: torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, None, tactic)
+        return lambda: torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, None, tactic,
+                                                       expected_routes=hint, expanded_to_permuted=e2p)
 
     def gemm2(tactic):
-        return lambda: torch.ops.cake.moe_gemm2(act, w2, offsets, True, tactic)
+        return lambda: torch.ops.cake.moe_gemm2(act, w2, offsets, True, tactic, expected_routes=hint)
 
     def gemm2_finalize(tactic):
-        return lambda: torch.ops.cake.moe_gemm2_finalize_out(act, w2, offsets, p2e, e2p, scales, out, True, tactic, -1)
+        return lambda: torch.ops.cake.moe_gemm2_finalize_out(act, w2, offsets, p2e, e2p, scales, out, True, tactic,
+                                                             hint)
     return {"gemm1": gemm1, "gemm2": gemm2, "gemm2 fused finalize": gemm2_finalize}
 
 

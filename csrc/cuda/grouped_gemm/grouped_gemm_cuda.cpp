@@ -59,11 +59,14 @@ struct TwinLaunch {
 // chain (Step-3.5 bf16, T=8192: 65536 rows) ran 6.1-6.7 ms against 4.1-4.4 whenever GEMM1 and
 // GEMM2 both launched with PDL, and 4.2 with a plain kernel between them; at 16384 rows the
 // edge cost nothing (benchmarks/NOTES.md, session 28). Longer GEMMs launch plainly: a few
-// microseconds on a millisecond.
+// microseconds on a millisecond. An expert-parallel shard's expected rows size the GEMM, unless
+// its prologue zeroes the rows past the groups' end (zero_tail: most of the output, every row
+// counts): the Kimi-K2 EP8 shard's GEMM1 at T=9216 (9216 of 73728 rows its own) on the fixed
+// 64x256 tile ran 1.86-1.96 ms with PDL against 1.14-1.24 without (session 35).
 constexpr int64_t kPdlMaxRows = 16384;
 
-bool launches_with_pdl(const GroupedGemmShape& s) {
-  return (s.expected_rows >= 0 ? s.expected_rows : s.sum_m) <= kPdlMaxRows;
+bool launches_with_pdl(const GroupedGemmShape& s, bool zero_tail) {
+  return (s.expected_rows >= 0 && !zero_tail ? s.expected_rows : s.sum_m) <= kPdlMaxRows;
 }
 
 // With a twin (fwd only), the chosen tactic's twin runs instead of it; false, with nothing launched,
@@ -96,7 +99,7 @@ bool launch_with(Op kind, const GroupedGemmShape& s, const at::Tensor& a, const 
   p.workspace_bytes = static_cast<int64_t>(workspace.nbytes());
   p.device = a.get_device();
   p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
-  p.pdl = pdl && launches_with_pdl(s);
+  p.pdl = pdl && launches_with_pdl(s, zero_tail);
   p.zero_tail = zero_tail;
   p.a_scale = scales.a;
   p.b_scale = scales.b;

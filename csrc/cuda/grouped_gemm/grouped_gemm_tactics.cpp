@@ -347,9 +347,9 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // to end (Qwen3-235B T=512, Mixtral T=128, Step-3.5 T=1152), at 28 -5 to -10% (Mixtral T=112, Step-3.5
   // T=1024), at 24 +12% on Mixtral (T=96; its 128-row MMAs cost as much as its weight stream) and -2 to 0% on
   // Qwen3; 64x256 over the 128-row tile at 128 rows -12 to -17% (Qwen3 T=2048).
-  auto groups_fit = [&](int64_t tile_rows) {
-    return double(rows_per_group) + std::sqrt(double(rows_per_group)) <= double(tile_rows);
-  };
+  // The rows a tile must hold for ~90% of the groups: the mean plus its square root.
+  const double routed_rows = double(rows_per_group) + std::sqrt(double(rows_per_group));
+  auto groups_fit = [&](int64_t tile_rows) { return routed_rows <= double(tile_rows); };
   // Past that, bf16 fwd takes the short-groups tile below and e4m3 its small-groups tile (64x256 pingpong: at
   // 28 / 32 rows -4 to -24% per GEMM, at 64-128 -2 to -9%; results/sweep_e4m3_rows_h200_s34.txt).
   const bool swap_ab_overflows =
@@ -378,12 +378,13 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // nothing and it ran 1-3% ahead of the fixed one. Not measured between K = 4096 and 14336.
   constexpr int64_t kLongK = 8192;
   auto padded_rows = [&](int64_t tile_rows) {
-    const int64_t fill = static_cast<int64_t>(std::ceil(double(rows_per_group) + std::sqrt(double(rows_per_group))));
+    const auto fill = static_cast<int64_t>(std::ceil(routed_rows));
     return (fill + tile_rows - 1) / tile_rows * tile_rows;
   };
+  const int64_t padded_128 = padded_rows(128);
   if (c.long_k_groups >= 0 && s.k >= kLongK && rows_per_group <= c.small_groups_max_rows &&
-      padded_rows(128) <= padded_rows(64)) {
-    return padded_rows(128) % 256 == 0 ? c.long_k_groups_m_pairs : c.long_k_groups;
+      padded_128 <= padded_rows(64)) {
+    return padded_128 % 256 == 0 ? c.long_k_groups_m_pairs : c.long_k_groups;
   }
   // Past the 128-row tile (the MoE GEMMs of Qwen3 at T = 2048-4096, Mixtral at T = 1024): 64-row tiles waste
   // fewer rows of each group's last tile, and the pingpong overlaps one warp group's epilogue with the other's

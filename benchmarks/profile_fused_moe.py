@@ -54,9 +54,12 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--deterministic", action="store_true", help="use_fused_finalize=False")
     p.add_argument("--no-pdl", dest="pdl", action="store_false", help="enable_pdl=False: kernel spans without waits")
+    p.add_argument("--seed", type=int, default=None, help="the same weights and routing in every run (A/B runs)")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     for name in args.models.split(","):
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
         e, k, h, i, e_local, offset = MODELS[name]
         w1 = (torch.randn(e_local, 2 * i, h, device="cuda") / h**0.5).bfloat16()
         w2 = (torch.randn(e_local, h, i, device="cuda") / i**0.5).bfloat16()

@@ -36,9 +36,12 @@ def main():
     p.add_argument("--tokens", default="8,2048")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--static-scales", action="store_true", help="fp8: calibrated static activation scales")
+    p.add_argument("--seed", type=int, default=None, help="the same weights and routing in every run (A/B runs)")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     for name in args.shapes.split(","):
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
         e, k, h, inter = SHAPES[name]
         w1, w2 = random_weights(e, h, inter, "cuda")
         for family in args.families.split(","):

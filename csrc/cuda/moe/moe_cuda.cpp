@@ -250,6 +250,8 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   check_gemm_dtype(x_in, op);
   TORCH_CHECK(w1.is_contiguous() && permuted_to_expanded.is_contiguous() && expert_offsets.is_contiguous(), op,
               ": w1, permuted_to_expanded and expert_offsets must be contiguous");
+  TORCH_CHECK(!expanded_to_permuted || expanded_to_permuted->is_contiguous(), op,
+              ": expanded_to_permuted must be contiguous");
   // 16-byte rows of x and of the gathered GEMM operand (w1's dtype).
   const int64_t row_elements = 16 / std::min(x_in.element_size(), w1.element_size());
   TORCH_CHECK(x_in.size(1) % row_elements == 0, op, ": CUDA kernels need 16-byte rows (hidden % ", row_elements,
@@ -303,10 +305,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
   sm90::GatherInverse inverse;
   inverse.scratch = reinterpret_cast<int32_t*>(workspace.data_ptr<uint8_t>() + layout.inverse_offset);
-  if (expanded_to_permuted) {
-    TORCH_CHECK(expanded_to_permuted->is_contiguous(), op, ": expanded_to_permuted must be contiguous");
-    inverse.expanded_to_permuted = expanded_to_permuted->data_ptr<int32_t>();
-  }
+  if (expanded_to_permuted) inverse.expanded_to_permuted = expanded_to_permuted->data_ptr<int32_t>();
   c10::optional<at::Tensor> gathered_scale = x_scale;
   if (quantize_x) {
     // [0]: the scale the gather quantizes with (what the GEMM scales by), [1]: a dynamic scale's amax.

@@ -664,6 +664,27 @@ def test_expected_routes_is_a_hint(device):
             call()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+def test_gemm1_out_errors_name_the_out_op(device):
+    """The checks moe_gemm1_swiglu_out shares with moe_gemm1_swiglu (clamp limits, activation scales) and its own
+    (out, workspace) name moe_gemm1_swiglu_out."""
+    x, ids, _, w1, _ = moe_problem(8, 2, 4, 4, 64, 32, device)
+    _, offsets, p2e, _, _ = torch.ops.cake.moe_sort(ids, 4, 4, 0, 64)
+    w1 = interleave_up_gate_sm90(w1)
+    out = torch.empty(16, 32, dtype=torch.bfloat16, device=device)
+    ws = torch.empty(0, dtype=torch.uint8, device=device)
+    call = torch.ops.cake.moe_gemm1_swiglu_out
+    with pytest.raises(RuntimeError, match=r"cake::moe_gemm1_swiglu_out: clamp_limits must be float32 \[E_local\] = \[4\], "
+                                           r"got Float \[3\]"):
+        call(x, w1, p2e, offsets, 2, out, ws, True, torch.ones(3, device=device))
+    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu_out: scales apply to float8_e4m3fn x and weights only"):
+        call(x, w1, p2e, offsets, 2, out, ws, True, None, -1, torch.ones(1, device=device))
+    with pytest.raises(RuntimeError, match=r"cake::moe_gemm1_swiglu_out: out must have shape \[16, 32\]"):
+        call(x, w1, p2e, offsets, 2, out[:8], ws)
+    with pytest.raises(RuntimeError, match="cake::moe_gemm1_swiglu_out: workspace must be a (contiguous )?uint8 tensor"):
+        call(x, w1, p2e, offsets, 2, out, torch.empty(4, dtype=torch.float32, device=device))
+
+
 def test_moe_ops_opcheck():
     ids = torch.randint(0, 16, (20, 4), dtype=torch.int32)
     torch.library.opcheck(torch.ops.cake.moe_sort, (ids, 16, 8, 8, 64))

@@ -85,18 +85,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_sort(
           expanded_to_permuted.to(at::kInt), tile_offsets.to(at::kInt)};
 }
 
-at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
-                            const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
-                            int64_t top_k, bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits,
-                            int64_t /*tactic*/, const c10::optional<at::Tensor>& x_scale,
-                            const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes,
-                            bool /*zero_tail: the CPU writes the zeros*/,
-                            const c10::optional<at::Tensor>& expanded_to_permuted /*checked; the CPU needs none*/) {
-  const char* op = "cake::moe_gemm1_swiglu";
+namespace {
+
+// GEMM1 on the CPU, every check named after `op`; with `out`, also out's and the workspace's (moe_gemm1_swiglu_out).
+at::Tensor gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
+                        const at::Tensor& expert_offsets, int64_t top_k, const c10::optional<at::Tensor>& clamp_limits,
+                        const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
+                        int64_t expected_routes,
+                        const c10::optional<at::Tensor>& expanded_to_permuted /*checked; the CPU needs none*/,
+                        const at::Tensor* out, const at::Tensor* workspace, const char* op) {
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
   check_expected_routes(expected_routes, op);
   const auto input = check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op);
   if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
+  if (out != nullptr) {
+    check_out(*out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
+    const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), w1.element_size());
+    TORCH_CHECK(workspace->scalar_type() == at::kByte && (workspace->numel() == 0 || workspace->numel() >= need), op,
+                ": workspace must be a uint8 tensor of at least ", need,
+                " bytes (cake_ops._C.moe_gemm1_workspace_size), or empty, got ", workspace->scalar_type(), " ",
+                workspace->sizes());
+  }
   at::Tensor xq = x;
   c10::optional<at::Tensor> xq_scale = x_scale;
   if (input == MoeGemmInput::kQuantizeA) std::tie(xq, xq_scale) = quantize_fp8(x, x_scale);
@@ -116,6 +125,19 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
     up = at::maximum(at::minimum(up, limit), -limit);
   }
   return (act * up).to(moe_gemm_out_dtype(xq)).reshape({s.rows, s.intermediate});
+}
+
+}  // namespace
+
+at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
+                            const at::Tensor& permuted_to_expanded, const at::Tensor& expert_offsets,
+                            int64_t top_k, bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits,
+                            int64_t /*tactic*/, const c10::optional<at::Tensor>& x_scale,
+                            const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes,
+                            bool /*zero_tail: the CPU writes the zeros*/,
+                            const c10::optional<at::Tensor>& expanded_to_permuted) {
+  return gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, clamp_limits, x_scale, w1_scale,
+                      expected_routes, expanded_to_permuted, nullptr, nullptr, "cake::moe_gemm1_swiglu");
 }
 
 // Renormalize top-k of router_logits [T, E]: the top_k largest (NaN lowest, ties to the lower id)
@@ -168,21 +190,12 @@ void moe_routing_out(const c10::optional<at::Tensor>& router_logits, const c10::
 
 void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
                           const at::Tensor& expert_offsets, int64_t top_k, at::Tensor out, at::Tensor workspace,
-                          bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
+                          bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits, int64_t /*tactic*/,
                           const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
-                          int64_t expected_routes, bool zero_tail,
+                          int64_t expected_routes, bool /*zero_tail: the CPU writes the zeros*/,
                           const c10::optional<at::Tensor>& expanded_to_permuted) {
-  const char* op = "cake::moe_gemm1_swiglu_out";
-  check_expected_routes(expected_routes, op);
-  const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
-  check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
-  const int64_t need = moe_gemm1_workspace_bytes(s.rows, x.size(1), s.intermediate, w1.size(0), w1.element_size());
-  TORCH_CHECK(workspace.scalar_type() == at::kByte && (workspace.numel() == 0 || workspace.numel() >= need), op,
-              ": workspace must be a uint8 tensor of at least ", need,
-              " bytes (cake_ops._C.moe_gemm1_workspace_size), or empty, got ", workspace.scalar_type(), " ",
-              workspace.sizes());
-  out.copy_(moe_gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic,
-                             x_scale, w1_scale, expected_routes, zero_tail, expanded_to_permuted));
+  out.copy_(gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, clamp_limits, x_scale, w1_scale,
+                         expected_routes, expanded_to_permuted, &out, &workspace, "cake::moe_gemm1_swiglu_out"));
 }
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,

@@ -198,6 +198,16 @@ def plot_panels(panels, series, path):
     fig.savefig(path, dpi=110)
 
 
+def load_runs(paths, print_row):
+    """The rows of earlier runs' JSON files (comma-separated paths), printed: (device, rows, the runs' meta)."""
+    runs = [json.loads(Path(path).read_text()) for path in paths.split(",")]
+    sources = [run["meta"] for run in runs]
+    rows = [r for run in runs for r in run["rows"]]
+    for r in rows:
+        print_row(r)
+    return sources[0]["device"], rows, sources
+
+
 def write_results(path, device, summary, rows, reps, sources=None):
     """sources: the meta of the runs whose rows these are (--from-json), kept instead of this process's."""
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
@@ -237,11 +247,7 @@ def main():
     print(HEADER)
     sources = None  # the merged runs' meta
     if args.from_json:
-        runs = [json.loads(Path(path).read_text()) for path in args.from_json.split(",")]
-        sources = [run["meta"] for run in runs]
-        device, rows = sources[0]["device"], [r for run in runs for r in run["rows"]]
-        for r in rows:
-            print_row(r)
+        device, rows, sources = load_runs(args.from_json, print_row)
     else:
         device, rows = run(args)
     summary = summarize(rows, SUMMARY_KEYS)

@@ -3,6 +3,7 @@ pipeline, fused_moe_bf16 on the same shapes, and the floors.
 
     python benchmarks/bench_stepfun_moe.py                        # the issue-5 shapes and token counts
     python benchmarks/bench_stepfun_moe.py --shapes step35_flash --tokens 8,2048 --json out.json --plot out.png
+    python benchmarks/bench_stepfun_moe.py --from-json a.json,b.json --json all.json --plot all.png  # runs merged
 
 Per (shape, family, T): cake stepfun_moe eager, its prepared launch (prepare_stepfun_moe: buffers
 bound once, launch() eager) and the one-shot call as a CUDA-graph replay; the plain PyTorch
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import cake_ops
-from bench_fused_moe import dense_rate_for, plot_panels, summarize, write_results
+from bench_fused_moe import dense_rate_for, load_runs, plot_panels, summarize, write_results
 from bench_grouped_gemm import HBM_TBPS, Timer, fmt, seed_case
 from cake_ops import stepfun_moe as sm
 from cake_ops.fused_moe import fused_moe_bf16
@@ -152,13 +153,20 @@ def main():
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
+    p.add_argument("--from-json", default="",
+                   help="comma-separated JSON files of earlier runs (say, the H200's, plotted where matplotlib is): "
+                        "print, summarize and plot their rows instead of measuring")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     print(HEADER)
-    device, rows = run(args)
+    sources = None  # the merged runs' meta
+    if args.from_json:
+        device, rows, sources = load_runs(args.from_json, print_row)
+    else:
+        device, rows = run(args)
     summary = summarize(rows, ("cake_x_floor", "speedup_vs_torch", "over_fused_moe_bf16", "over_bf16_family"))
     if args.json:
-        write_results(args.json, device, summary, rows, args.reps)
+        write_results(args.json, device, summary, rows, args.reps, sources)
     if args.plot:
         keys = sorted({(r["shape"], r["family"]) for r in rows if "T" in r})
         plot_panels([(f"{shape} {family}", [r for r in rows if (r["shape"], r["family"]) == (shape, family) and "T" in r])

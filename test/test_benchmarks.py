@@ -51,6 +51,21 @@ def test_fused_moe_bench_merges_runs(tmp_path):
     assert sum(line.startswith(("tiny ", "tiny_ep ")) for line in table.splitlines()) == 4
 
 
+def test_stepfun_bench_merges_runs(tmp_path):
+    """--from-json prints and summarizes the rows of runs made apart (one family each here), unchanged."""
+    parts = []
+    for family in ("bf16", "fp8"):
+        parts.append(tmp_path / f"{family}.json")
+        run_bench("bench_stepfun_moe.py", "--cpu", "--reps", "2", "--families", family, "--json", str(parts[-1]))
+    merged = tmp_path / "merged.json"
+    table = run_bench("bench_stepfun_moe.py", "--from-json", ",".join(map(str, parts)), "--json", str(merged))
+    result = json.loads(merged.read_text())
+    rows = [r for part in parts for r in json.loads(part.read_text())["rows"]]
+    assert rows and result["rows"] == rows
+    assert [m["device"] for m in result["meta"]["merged_from"]] == ["cpu", "cpu"]
+    assert sum(line.split()[1:2] in (["bf16"], ["fp8"]) for line in table.splitlines()) == len(rows)
+
+
 def test_graph_pdl_probe_imports():
     """graph_pdl_stepfun.py times CUDA graphs only; here its imports and options are checked (--help)."""
     usage = run_bench("graph_pdl_stepfun.py", "--help")

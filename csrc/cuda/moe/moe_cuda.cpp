@@ -585,6 +585,9 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
     a.alphas = reinterpret_cast<float*>(bytes + routes * (s.intermediate + s.hidden) * 2);
     a.slice_sums = a.alphas + kMoeForwardSplitItems;
     a.split_items = static_cast<int>(kMoeForwardSplitItems);
+    // A launch that spreads no phase keeps fp8's per-item h amaxes there (routes * I / 32 floats; the
+    // fp8 layer takes routes * I <= kMoeDecodeMaxAmaxElements; the slice sums hold at least 64 per item).
+    static_assert(sm90::kMoeDecodeMaxAmaxElements / 32 <= kMoeForwardSplitItems * 64, "the h amaxes fit");
     a.expected_routes = expected_routes;
     a.out = out.data_ptr();
     const auto element = s.fp8 ? sm90::MoeDecodeElement::kE4m3

@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -238,6 +239,47 @@ __device__ float dynamic_scale(const uint8_t* a, int64_t n) {
   return amax_to_scale(__uint_as_float(block_amax_bits(reinterpret_cast<const __nv_bfloat16*>(a), n, warp_max)));
 }
 
+// The scale of an amax held as bits per thread: every thread of the block calls it (a barrier inside).
+__device__ float block_scale_from_bits(unsigned m) {
+  __shared__ unsigned warp_max[kThreads / 32];
+  const int lane = threadIdx.x % 32;
+  m = __reduce_max_sync(0xffffffffu, m);
+  if (lane == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  return amax_to_scale(__uint_as_float(__reduce_max_sync(0xffffffffu, lane < kThreads / 32 ? warp_max[lane] : 0u)));
+}
+
+// A small bfloat16 a's dynamic scale in two halves: its loads issued before the pass's weight copies
+// (else they queue behind the CTA's whole ring prologue: ~3.8 us of the fp8 layer kernel's 49 at T=1,
+// benchmarks/NOTES.md session 36), the amax taken after. The same bits as dynamic_scale.
+constexpr int kEarlyAmaxVecs = 4;  // 16-byte vectors per thread: up to 4096 bfloat16 elements
+struct EarlyAmax {
+  uint4 v[kEarlyAmaxVecs];
+  static __device__ bool fits(const DecodeParams& p) {
+    return p.quantize_a && p.a_scale == nullptr && p.a_elements % 8 == 0 &&
+           p.a_elements <= int64_t(kEarlyAmaxVecs) * kThreads * 8;
+  }
+  __device__ void load(const DecodeParams& p) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.a);
+    const int vecs = static_cast<int>(p.a_elements / 8);
+#pragma unroll
+    for (int u = 0; u < kEarlyAmaxVecs; ++u) {
+      const int at = threadIdx.x + u * kThreads;
+      v[u] = at < vecs ? (p.fresh_a ? __ldcg(src + at) : __ldg(src + at)) : make_uint4(0, 0, 0, 0);  // |0| adds nothing
+    }
+  }
+  __device__ float scale() const {
+    unsigned m = 0;
+#pragma unroll
+    for (int u = 0; u < kEarlyAmaxVecs; ++u) {
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v[u]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = max(m, __float_as_uint(fabsf(__bfloat162float(e[j]))));
+    }
+    return block_scale_from_bits(m);
+  }
+};
+
 // The scale a's values are divided by before the GEMM (and its product multiplied by): fp8 a's
 // own, or that of bfloat16 a quantized on the way in. All threads call it (a barrier inside).
 __device__ float a_scale_of(const DecodeParams& p) {
@@ -446,7 +488,7 @@ __device__ __forceinline__ void prefetch_pass(uint8_t* ring, const uint8_t* warp
 // kGather: B rows through the permutation (GEMM1).
 // A part of K (the layer kernel's spread items): steps [first_step, end_step), whole slices, each
 // slice's sums for token column 0 to slice_out + slice * kTileM instead of the tile.
-template <class T, bool kGather, int kBlocks>
+template <class T, bool kGather, int kBlocks, bool kEarlyAmax = false>
 __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* warp_rows, bool first_pass,
                              float& a_scale, uint8_t* ring, uint8_t* b, float* tile, int first_step = 0,
                              int end_step = -1, float* slice_out = nullptr, bool prefetched = false) {
@@ -458,8 +500,17 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
   zero(total);
 
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
-  if (!prefetched) prefetch_pass(ring, warp_rows, p.k_bytes, first_step, steps);
-  if (first_pass) a_scale = a_scale_of(p);
+  // kEarlyAmax (the layer kernel's e4m3 passes; quantize_a is e4m3's): EarlyAmax where it fits.
+  if constexpr (kEarlyAmax && std::is_same_v<T, E4m3>) {
+    const bool early_amax = first_pass && EarlyAmax::fits(p);
+    EarlyAmax early;
+    if (early_amax) early.load(p);
+    if (!prefetched) prefetch_pass(ring, warp_rows, p.k_bytes, first_step, steps);
+    if (first_pass) a_scale = early_amax ? early.scale() : a_scale_of(p);
+  } else {
+    if (!prefetched) prefetch_pass(ring, warp_rows, p.k_bytes, first_step, steps);
+    if (first_pass) a_scale = a_scale_of(p);
+  }
   StepRegs regs;
   for (int step = first_step; step < steps; ++step) {
     __syncwarp();  // every lane has read the slot this copy refills (step - 1's)

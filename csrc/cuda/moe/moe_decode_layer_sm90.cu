@@ -53,6 +53,7 @@ struct LayerParams {
   uint8_t* y = nullptr;             // [routes, hidden] (16-bit), local routes packed
   float* slice_sums = nullptr;      // a spread phase's [item][slice][64 rows]
   float* alphas = nullptr;          // ... and its items' scales
+  float* h_amax = nullptr;          // fp8, dynamic fc2 scale, no spread: each phase-1 item's amax of its h values
   int split_items = 0;              // the most items a phase may spread
   uint8_t* out = nullptr;           // [tokens, hidden]
 };
@@ -167,7 +168,9 @@ __device__ void sum_slices(const LayerParams& p, const Spread& sp, int item, flo
 }
 
 // h's 32 values of (route l, m_tile) from tile column 0: weight rows 0-31 up, 32-63 gate
-// (interleaved at 32), each rounded after the scale, then SwiGLU(Step).
+// (interleaved at 32), each rounded after the scale, then SwiGLU(Step). With lp.h_amax, also their
+// amax as stored (rounded), per item: phase 2's dynamic scale is then the max of those, not a read
+// of all of h by every CTA (~1.8 us at T=1: benchmarks/NOTES.md session 36).
 template <class T>
 __device__ void store_h(const LayerParams& lp, int l, int m_tile, int e, float alpha, const float* tile) {
   using Out = DecodeMma<T>;
@@ -182,6 +185,11 @@ __device__ void store_h(const LayerParams& lp, int l, int m_tile, int e, float a
       v[c] = swiglu_value(up, gate, lp.limits != nullptr, limit);
     }
     Out::store2(lp.h + (int64_t(l) * lp.inter + m_tile * 32 + j) * 2, v[0], v[1]);
+    if (lp.h_amax) {  // the bits of |h| as stored; max over the 16 threads (dynamic_scale's order-free max)
+      unsigned m = max(__float_as_uint(fabsf(Out::round(v[0]))), __float_as_uint(fabsf(Out::round(v[1]))));
+      m = __reduce_max_sync(0xffffu, m);
+      if (threadIdx.x == 0) lp.h_amax[l * (lp.inter / 32) + m_tile] = __uint_as_float(m);
+    }
   }
 }
 
@@ -244,16 +252,24 @@ __device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, const Sp
                            uint8_t* b, float* tile, bool prefetched = false) {
   const DecodeParams p = layer_decode_params(lp, r, gemm1);
   float a_scale = 1.0f;
-  bool first = true;
+  bool first = true, need_scale = true;
+  if (!gemm1 && lp.h_amax) {  // fc2's dynamic scale from phase 1's per-item amaxes (store_h), not all of h
+    unsigned m = 0;
+    for (int i = threadIdx.x; i < r.count * (lp.inter / 32); i += kThreads) {
+      m = max(m, __float_as_uint(__ldcg(lp.h_amax + i)));
+    }
+    a_scale = block_scale_from_bits(m);
+    need_scale = false;
+  }
   for (int unit = blockIdx.x; unit < sp.items * sp.share; unit += gridDim.x) {
     const LayerUnit u = layer_unit(p, r, sp, unit);
     const int64_t a_row = gemm1 ? r.index[u.l] / lp.top_k : u.l;
     const Pass s = make_pass(p, a_row, a_row + 1);
     // A spread item's part: its run of slices, their sums out.
     const bool spread = sp.share > 1;
-    pass_product<T, false, 1>(p, s, u.warp_rows, first, a_scale, ring, b, tile, u.first_step, u.end_step,
-                              spread ? lp.slice_sums + int64_t(u.item) * sp.slices * kTileM : nullptr,
-                              prefetched && first);
+    pass_product<T, false, 1, /*kEarlyAmax=*/true>(
+        p, s, u.warp_rows, first && need_scale, a_scale, ring, b, tile, u.first_step, u.end_step,
+        spread ? lp.slice_sums + int64_t(u.item) * sp.slices * kTileM : nullptr, prefetched && first);
     first = false;
     const float alpha = a_scale * (p.w_scale ? p.w_scale[u.e] : 1.0f);
     if (spread) {
@@ -414,7 +430,11 @@ void launch_layer(const LayerParams& p, int64_t expected_routes, cudaStream_t st
   };
   const bool spread = spreads(2 * p.inter, p.hidden) || spreads(p.hidden, p.inter);
   auto kernel = spread ? moe_decode_layer_kernel<T, true> : moe_decode_layer_kernel<T, false>;
-  launch_cooperative_kernel(kernel, dim3(ctas), dim3(kThreads), kSmemBytes, stream, pdl, p);
+  // A dynamic fc2 scale from phase 1's per-item amaxes, kept in the slice sums' space, which only a
+  // spreading launch uses (moe_cuda.cpp checks that it holds them).
+  LayerParams launched = p;
+  launched.h_amax = !spread && p.w_bytes == 1 && p.fc2_scale == nullptr ? p.slice_sums : nullptr;
+  launch_cooperative_kernel(kernel, dim3(ctas), dim3(kThreads), kSmemBytes, stream, pdl, launched);
 }
 
 }  // namespace

@@ -488,10 +488,13 @@ __device__ __forceinline__ void prefetch_pass(uint8_t* ring, const uint8_t* warp
 // kGather: B rows through the permutation (GEMM1).
 // A part of K (the layer kernel's spread items): steps [first_step, end_step), whole slices, each
 // slice's sums for token column 0 to slice_out + slice * kTileM instead of the tile.
+// b_staged: B already holds this pass's rows, quantized with this a_scale, and they are one chunk
+// (the layer kernel's next item of the same token at T=1: e4m3 x of up to 4 KB a row).
 template <class T, bool kGather, int kBlocks, bool kEarlyAmax = false>
 __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t* warp_rows, bool first_pass,
                              float& a_scale, uint8_t* ring, uint8_t* b, float* tile, int first_step = 0,
-                             int end_step = -1, float* slice_out = nullptr, bool prefetched = false) {
+                             int end_step = -1, float* slice_out = nullptr, bool prefetched = false,
+                             bool b_staged = false) {
   const int steps = end_step < 0 ? p.k_bytes / kStepRowBytes : end_step;
   const uint64_t desc0 = b_descriptor(static_cast<uint32_t>(__cvta_generic_to_shared(b)), s.sbo);
   const uint32_t sbo16 = s.sbo >> 4;
@@ -519,7 +522,8 @@ __device__ void pass_product(const DecodeParams& p, const Pass& s, const uint8_t
     __syncwarp();  // ... those of every lane of the warp
     read_step(regs, ring, step);
     const int local = step % s.chunk_steps;
-    if (local == 0 || step == first_step) {
+    // b_staged: the caller's previous pass left this pass's B (its one chunk) in place; nothing to stage.
+    if ((local == 0 || step == first_step) && !(b_staged && step == first_step)) {
       __syncthreads();  // the previous chunk's wgmmas (all warps) are done with B
       stage_b<kGather>(p, s, step / s.chunk_steps, a_scale, b);
       __syncthreads();

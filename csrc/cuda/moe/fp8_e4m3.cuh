@@ -56,15 +56,20 @@ __device__ __forceinline__ unsigned amax_bits_strided(const T* x, int64_t n, int
   return m;
 }
 
-// The amax bits of all of x, in every thread of the block: all threads call it (a barrier inside);
+// The max of every thread's m, in every thread of the block: all threads call it (a barrier inside);
 // warp_max is shared memory of one slot per warp.
-template <class T>
-__device__ __forceinline__ unsigned block_amax_bits(const T* x, int64_t n, unsigned* warp_max) {
+__device__ __forceinline__ unsigned block_max_bits(unsigned m, unsigned* warp_max) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned m = __reduce_max_sync(0xffffffffu, amax_bits_strided(x, n, threadIdx.x, blockDim.x));
+  m = __reduce_max_sync(0xffffffffu, m);
   if (lane == 0) warp_max[warp] = m;
   __syncthreads();
   return __reduce_max_sync(0xffffffffu, lane < int(blockDim.x >> 5) ? warp_max[lane] : 0u);
+}
+
+// The amax bits of all of x, in every thread of the block (block_max_bits: all threads call it).
+template <class T>
+__device__ __forceinline__ unsigned block_amax_bits(const T* x, int64_t n, unsigned* warp_max) {
+  return block_max_bits(amax_bits_strided(x, n, threadIdx.x, blockDim.x), warp_max);
 }
 
 }  // namespace cake::sm90

@@ -242,11 +242,7 @@ __device__ float dynamic_scale(const uint8_t* a, int64_t n) {
 // The scale of an amax held as bits per thread: every thread of the block calls it (a barrier inside).
 __device__ float block_scale_from_bits(unsigned m) {
   __shared__ unsigned warp_max[kThreads / 32];
-  const int lane = threadIdx.x % 32;
-  m = __reduce_max_sync(0xffffffffu, m);
-  if (lane == 0) warp_max[threadIdx.x / 32] = m;
-  __syncthreads();
-  return amax_to_scale(__uint_as_float(__reduce_max_sync(0xffffffffu, lane < kThreads / 32 ? warp_max[lane] : 0u)));
+  return amax_to_scale(__uint_as_float(block_max_bits(m, warp_max)));
 }
 
 // A small bfloat16 a's dynamic scale in two halves: its loads issued before the pass's weight copies

@@ -185,7 +185,8 @@ __device__ void store_h(const LayerParams& lp, int l, int m_tile, int e, float a
       v[c] = swiglu_value(up, gate, lp.limits != nullptr, limit);
     }
     Out::store2(lp.h + (int64_t(l) * lp.inter + m_tile * 32 + j) * 2, v[0], v[1]);
-    if (std::is_same_v<T, E4m3> && lp.h_amax) {  // the bits of |h| as stored; max over the 16 threads (dynamic_scale's order-free max)
+    // The bits of |h| as stored; max over the 16 threads (dynamic_scale's order-free max).
+    if (std::is_same_v<T, E4m3> && lp.h_amax) {
       unsigned m = max(__float_as_uint(fabsf(Out::round(v[0]))), __float_as_uint(fabsf(Out::round(v[1]))));
       m = __reduce_max_sync(0xffffu, m);
       if (threadIdx.x == 0) lp.h_amax[l * (lp.inter / 32) + m_tile] = __uint_as_float(m);
@@ -253,8 +254,9 @@ __device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, const Sp
   const DecodeParams p = layer_decode_params(lp, r, gemm1);
   float a_scale = 1.0f;
   bool first = true, need_scale = true;
-  // e4m3 only (h_amax is set for fp8 alone): the 16-bit kernels leave these tests out at compile time.
-  if (std::is_same_v<T, E4m3> && !gemm1 && lp.h_amax) {  // fc2's dynamic scale from phase 1's per-item amaxes (store_h), not all of h
+  // fc2's dynamic scale from phase 1's per-item amaxes (store_h), not all of h. e4m3 only (h_amax is set
+  // for fp8 alone): the 16-bit kernels leave these tests out at compile time.
+  if (std::is_same_v<T, E4m3> && !gemm1 && lp.h_amax) {
     unsigned m = 0;
     for (int i = threadIdx.x; i < r.count * (lp.inter / 32); i += kThreads) {
       m = max(m, __float_as_uint(__ldcg(lp.h_amax + i)));
@@ -270,8 +272,8 @@ __device__ void layer_gemm(const LayerParams& lp, const LayerRoutes& r, const Sp
     // A spread item's part: its run of slices, their sums out.
     const bool spread = sp.share > 1;
     // At T=1 every phase-1 unit's B is the one token's x row: e4m3 x (quantized as it is staged) is staged
-    // once a CTA where it is one chunk. 16-bit kernels keep their code: the test alone cost bf16 Step-3.5
-    // 2.2 us at T=1 (H200, session 38), where its two-chunk rows have nothing to skip.
+    // once a CTA where it is one chunk. Not for 16-bit x, whose rows at H = 4096 are two chunks (nothing to
+    // skip): their kernels keep their code.
     const bool whole_b = std::is_same_v<T, E4m3> && s.chunk_bytes >= p.k_bytes;
     pass_product<T, false, 1, /*kEarlyAmax=*/true>(
         p, s, u.warp_rows, first && need_scale, a_scale, ring, b, tile, u.first_step, u.end_step,

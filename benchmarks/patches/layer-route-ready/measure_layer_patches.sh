@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The decode-path patches of session 39 on the H200 (written then; no device was lent). One device call, ~8 min;
+# carry .whl with four modules, each from tools/prebuild_module.sh on its tree (copy .whl/cake_C_sm90.abi3.so.xz
+# after each build; after main's cold build each patch rebuilds 2-3 objects, ~1 min):
+#   A  main                                  C  main + stage-first/0001 (B staged before the step loop)
+#   R  main + layer-route-ready/0001         D  main + layer-route-ready/with-stage-first-whole-patch (both)
+# Rotation A C R D twice: StepFun T=1 (bf16: C and R move it; fp8: C only) and fused_moe T=1 (the layer kernel),
+# T=16 / 64 (the decode GEMM kernel: C only); then the layer / decode tests on D and on R; ab_moe_layer on D and A.
+set -uo pipefail
+source tools/device_env.sh >/dev/null
+use() { rm -f python/cake_ops/_C*.so; xz -dc .whl/$1.so.xz > python/cake_ops/_C.abi3.so; }
+R=$OUT/layer_patches; mkdir -p $R
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > $R/gpu.txt
+for round in 1 2; do
+  for m in A C R D; do
+    use $m
+    echo "== round $round $m ($(el) s)" | tee -a $R/profile.txt
+    run_by 330 15 python3 benchmarks/profile_stepfun_moe.py --seed 0 --shapes issue_geometry,step35_flash --tokens 1,8 >> $R/profile.txt 2>&1
+    run_by 330 15 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,mixtral_8x7b,kimi_k2_ep8 --tokens 1,16,64 >> $R/profile.txt 2>&1
+  done
+done
+for m in D R; do
+  use $m
+  echo "== $m layer/decode tests ($(el) s)" | tee -a $R/tests.txt
+  run_by 460 45 python3 -m pytest test/test_moe_ops.py test/test_stepfun_moe.py test/test_fused_moe.py -q -x -k 'layer or decode or one_token' >> $R/tests.txt 2>&1
+done
+for m in D A; do
+  use $m
+  echo "== ab_moe_layer $m ($(el) s)" | tee -a $R/ab_layer.txt
+  run_by 585 40 python3 benchmarks/ab_moe_layer.py --tokens 1,2 --stepfun-tokens 1 >> $R/ab_layer.txt 2>&1
+done
+echo "== end ($(el) s)"

@@ -9,24 +9,14 @@ on the profiled batch itself (amax / 448), as a deployment with calibrated scale
 on the device.
 """
 import argparse
-import dataclasses
 import warnings
 
 import torch
 
 import cake_ops
-from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES, random_weights
+from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES, random_weights, static_scales
 from cake_ops import stepfun_moe as sm
 from profile_fused_moe import kernels_in_order, print_profile
-
-
-def static_scales(weights, x, logits, top_k):
-    """The fp8 view with activation scales calibrated on this batch: amax / 448 of the hidden
-    states and of fc1's output."""
-    routed = sm.routing(logits, top_k=top_k, num_experts=weights.num_experts)
-    h = sm.fc1(x, weights, routed)
-    return dataclasses.replace(weights, fc1_input_scale=(x.float().abs().amax() / 448).reshape(1),
-                               fc2_input_scale=(h.float().abs().amax() / 448).reshape(1))
 
 
 def main():

@@ -4,7 +4,9 @@
 # after each build; after main's cold build each patch rebuilds 2-3 objects, ~1 min):
 #   A  main                                  C  main + stage-first/0001 (B staged before the step loop)
 #   R  main + layer-route-ready/0001         D  main + layer-route-ready/with-stage-first-whole-patch (both)
-# Rotation A C R D twice: StepFun T=1 (bf16: C and R move it; fp8 with dynamic scales: C only; fp8 with static
+#   S  main + code-size/0001 (C's code-size part alone: no quantizing code in the 16-bit decode kernels, the
+#      layer kernel's quantize out of line; optional: left out of the rotation when .whl/S.so.xz is missing)
+# Rotation A S C R D twice: StepFun T=1 (bf16: C and R move it; fp8 with dynamic scales: C only; fp8 with static
 # scales: C and R) and fused_moe T=1 (the layer kernel), T=16 / 64 (the decode GEMM kernel: C only); then the layer /
 # decode tests on D and on R; ab_moe_layer on D and A.
 set -uo pipefail
@@ -13,18 +15,19 @@ use() { rm -f python/cake_ops/_C*.so; xz -dc .whl/$1.so.xz > python/cake_ops/_C.
 R=$OUT/layer_patches; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > $R/gpu.txt
 for round in 1 2; do
-  for m in A C R D; do
+  for m in A S C R D; do
+    [ -f .whl/$m.so.xz ] || continue
     use $m
     echo "== round $round $m ($(el) s)" | tee -a $R/profile.txt
-    run_by 330 15 python3 benchmarks/profile_stepfun_moe.py --seed 0 --shapes issue_geometry,step35_flash --tokens 1,8 >> $R/profile.txt 2>&1
-    run_by 330 10 python3 benchmarks/profile_stepfun_moe.py --seed 0 --shapes issue_geometry,step35_flash --families fp8 --tokens 1 --static-scales >> $R/profile.txt 2>&1
-    run_by 330 15 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,mixtral_8x7b,kimi_k2_ep8 --tokens 1,16,64 >> $R/profile.txt 2>&1
+    run_by 380 15 python3 benchmarks/profile_stepfun_moe.py --seed 0 --shapes issue_geometry,step35_flash --tokens 1,8 >> $R/profile.txt 2>&1
+    run_by 380 10 python3 benchmarks/profile_stepfun_moe.py --seed 0 --shapes issue_geometry,step35_flash --families fp8 --tokens 1 --static-scales >> $R/profile.txt 2>&1
+    run_by 380 15 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,mixtral_8x7b,kimi_k2_ep8 --tokens 1,16,64 >> $R/profile.txt 2>&1
   done
 done
 for m in D R; do
   use $m
   echo "== $m layer/decode tests ($(el) s)" | tee -a $R/tests.txt
-  run_by 460 45 python3 -m pytest test/test_moe_ops.py test/test_stepfun_moe.py test/test_fused_moe.py -q -x -k 'layer or decode or one_token' >> $R/tests.txt 2>&1
+  run_by 490 45 python3 -m pytest test/test_moe_ops.py test/test_stepfun_moe.py test/test_fused_moe.py -q -x -k 'layer or decode or one_token' >> $R/tests.txt 2>&1
 done
 for m in D A; do
   use $m

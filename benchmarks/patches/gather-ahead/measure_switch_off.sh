@@ -6,7 +6,8 @@
 #   nowait  the aux warp copies, no producer wait nocopy  the producer waits (counters prefilled), no copy
 #   idle    neither: the aux warp's presence alone
 # Run from the repository root on main + v3-switch-off-experiment.patch, with the module prebuilt from that tree
-# (tools/prebuild_module.sh: every grouped GEMM object rebuilds, ~40 min on 2 cores; carry .whl). One call, ~6 min.
+# (tools/prebuild_module.sh: every grouped GEMM object rebuilds, ~40 min on 2 cores; carry .whl). One call, ~7 min,
+# with a GEMM2 sweep at Qwen3-235B T=4096 at the end.
 set -uo pipefail
 source tools/device_env.sh >/dev/null
 cake_use_prebuilt || { echo "no prebuilt module for these sources: building (~250 s)"; cake_build; }
@@ -22,4 +23,9 @@ for round in 1 2; do
       --models qwen3_235b,qwen3_30b --tokens 4096 >> $R/profile.txt 2>&1
   done
 done
+# And GEMM2 at Qwen3-235B T=4096 over every tactic (574 TFLOP/s against GEMM1's 621 in session 38: ~50 us, the
+# 85% line by itself; the gather-ahead modes do not touch GEMM2).
+echo "== sweep ($(el) s)" >> $R/sweep_235b_t4096.txt
+run_by 590 45 python3 benchmarks/sweep_moe_gemm.py --shapes '' --models qwen3_235b --tokens 4096 --top 10 \
+  --gemms "gemm2,gemm2 fused finalize" >> $R/sweep_235b_t4096.txt 2>&1
 echo "== end ($(el) s)" >> $R/profile.txt

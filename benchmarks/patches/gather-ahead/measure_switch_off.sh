@@ -5,7 +5,8 @@
 #   1       the twin gathers (v2)                 0       the gather kernel and the plain tile (main)
 #   nowait  the aux warp copies, no producer wait nocopy  the producer waits (counters prefilled), no copy
 #   idle    neither: the aux warp's presence alone
-# Run from the repository root on main + v3-switch-off-experiment.patch, with the module prebuilt from that tree
+# Run from the repository root on main + v2-whole-patch-second-copy.patch + v3-switch-off-on-top-of-v2.patch, with
+# the module prebuilt from that tree
 # (tools/prebuild_module.sh: every grouped GEMM object rebuilds, ~40 min on 2 cores; carry .whl). One call, ~7 min,
 # with a GEMM2 sweep at Qwen3-235B T=4096 at the end.
 set -uo pipefail

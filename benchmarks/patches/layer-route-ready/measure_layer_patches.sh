@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The decode-path patches of session 39 on the H200 (written then; no device was lent). One device call, ~8 min;
-# carry .whl with four modules, each from tools/prebuild_module.sh on its tree (copy .whl/cake_C_sm90.abi3.so.xz
+# carry .whl with the modules below (S optional), each from tools/prebuild_module.sh on its tree (copy .whl/cake_C_sm90.abi3.so.xz
 # after each build; after main's cold build each patch rebuilds 2-3 objects, ~1 min):
 #   A  main                                  C  main + stage-first/0001 (B staged before the step loop)
-#   R  main + layer-route-ready/0001         D  main + layer-route-ready/with-stage-first-whole-patch (both)
+#   R  main + layer-route-ready/0001         D  main + stage-first/0001 + layer-route-ready/0002 (both)
 #   S  main + code-size/0001 (C's code-size part alone: no quantizing code in the 16-bit decode kernels, the
 #      layer kernel's quantize out of line; optional: left out of the rotation when .whl/S.so.xz is missing)
 # Rotation A S C R D twice: StepFun T=1 (bf16: C and R move it; fp8 with dynamic scales: C only; fp8 with static

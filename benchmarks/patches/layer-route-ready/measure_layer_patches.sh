@@ -24,10 +24,16 @@ for round in 1 2; do
     run_by 380 15 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,mixtral_8x7b,kimi_k2_ep8 --tokens 1,16,64 >> $R/profile.txt 2>&1
   done
 done
+# The tests from a copy of the tree with both patches applied: route-ready's GPU test
+# (test_layer_kernel_with_more_gemm1_items_than_ctas) is in the patch.
+DT=/tmp/layer_patches_tree; rm -rf $DT; mkdir -p $DT; cp -r csrc test $DT/
+(cd $DT && patch -p1 -s < "$OLDPWD/benchmarks/patches/stage-first/0001-first-b-chunk-staged-before-the-step-loop.patch" &&
+  patch -p1 -s < "$OLDPWD/benchmarks/patches/layer-route-ready/0002-on-top-of-stage-first.patch") || echo "patching the test copy failed"
 for m in D R; do
   use $m
   echo "== $m layer/decode tests ($(el) s)" | tee -a $R/tests.txt
-  run_by 490 45 python3 -m pytest test/test_moe_ops.py test/test_stepfun_moe.py test/test_fused_moe.py -q -x -k 'layer or decode or one_token' >> $R/tests.txt 2>&1
+  run_by 490 45 python3 -m pytest $DT/test/test_moe_ops.py $DT/test/test_stepfun_moe.py $DT/test/test_fused_moe.py -q -x \
+    -k 'layer or decode or one_token' >> $R/tests.txt 2>&1
 done
 for m in D A; do
   use $m

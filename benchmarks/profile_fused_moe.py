@@ -5,6 +5,7 @@
     python benchmarks/profile_fused_moe.py --models qwen3_30b,mixtral_8x7b --tokens 1,256,4096
 """
 import argparse
+import re
 import warnings
 
 import torch
@@ -38,13 +39,28 @@ def print_profile(label, us, floor_us, tflops, kernels):
 
 def short_name(name):
     if "GemmUniversal" in name:
-        return "grouped GEMM (CUTLASS)"
+        return "grouped GEMM (CUTLASS)" + gemm_config(name)
     for word in ("moe_route_and_sort", "moe_sort", "moe_invert", "moe_gather", "moe_swiglu", "moe_finalize",
                  "prepare_groups",
                  "moe_topk_softmax", "fp8_amax", "fp8_quantize", "fp8_scale_from_amax"):
         if word in name:
             return word
     return name[:60]
+
+
+def gemm_config(name):
+    """The configuration in a CUTLASS grouped GEMM kernel's demangled name, in the tactic names' words
+    (fixed_ping_64x256x64_c1x1, ...; the raster order and swizzle are launch arguments, not in the name),
+    or "" where the name does not show it. The dispatch policy's cluster shape comes first, then the
+    schedule, then the tile shape."""
+    shapes = re.findall(r"C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)>", name)
+    schedule = next((short for word, short in (("Pingpong", "ping"), ("Cooperative", "coop")) if word in name), None)
+    if len(shapes) < 2 or schedule is None:
+        return ""
+    (cm, cn, _), tile = shapes[0], "x".join(shapes[1])
+    fixed = "fixed_" if "FixedOperandMainloop" in name else ""
+    epilogue = next((f" {short}" for word, short in (("Scatter", "scatter"), ("SwiGlu", "swiglu")) if word in name), "")
+    return f" {fixed}{schedule}_{tile}_c{cm}x{cn}{epilogue}"
 
 
 def main():

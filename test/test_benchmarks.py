@@ -70,3 +70,41 @@ def test_graph_pdl_probe_imports():
     """graph_pdl_stepfun.py times CUDA graphs only; here its imports and options are checked (--help)."""
     usage = run_bench("graph_pdl_stepfun.py", "--help")
     assert "--variants" in usage and "--tokens" in usage
+
+
+def test_profile_names_the_grouped_gemm_configuration():
+    """profile_fused_moe.py labels a CUTLASS grouped GEMM with its configuration, read from the kernel's
+    demangled name (as the profiler reports it; this one is the fused finalize's 64x256 pingpong twin,
+    cut short after the tile): the cluster shape comes before the tile shape there."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from profile_fused_moe import short_name
+    finally:
+        sys.path.remove(str(BENCH))
+    scatter = (
+        "void cutlass::device_kernel<cake::sm90::WaitForPredecessor<cutlass::gemm::kernel::GemmUniversal<"
+        "cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, cake::sm90::FixedOperandMainloop<"
+        "cutlass::gemm::collective::CollectiveMma<cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecialized<5, "
+        "cute::tuple<cute::C<1>, cute::C<2>, cute::C<1> >, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>, "
+        "cute::tuple<cute::C<64>, cute::C<256>, cute::C<64> >, cutlass::bfloat16_t, cute::tuple<long, cute::C<1>, "
+        "cute::C<0> >*>>, cake::sm90::ScatterAddEpilogueArray<cutlass::bfloat16_t>>>>")
+    assert short_name(scatter) == "grouped GEMM (CUTLASS) fixed_ping_64x256x64_c1x2 scatter"
+    cooperative = scatter.replace("cake::sm90::FixedOperandMainloop<", "").replace("Pingpong", "Cooperative")
+    assert short_name(cooperative.replace("ScatterAdd", "SwiGlu")) == \
+        "grouped GEMM (CUTLASS) coop_64x256x64_c1x2 swiglu"
+    assert short_name("void cutlass::device_kernel<GemmUniversal<Opaque>>") == "grouped GEMM (CUTLASS)"
+    assert short_name("void cake::moe_gather_rows_kernel<16>(...)") == "moe_gather"
+
+
+def test_overrides_ab_parses_its_overrides():
+    """ab_fused_moe_overrides.py times CUDA graphs only; here its imports, options and the parsing of the
+    overrides into fused_moe_bf16 keywords are checked."""
+    usage = run_bench("ab_fused_moe_overrides.py", "--help")
+    assert "--overrides" in usage and "--tokens" in usage
+    sys.path.insert(0, str(BENCH))
+    try:
+        from ab_fused_moe_overrides import parse_overrides
+    finally:
+        sys.path.remove(str(BENCH))
+    assert parse_overrides("gemm2_tile_n=256,gemm2_cluster_shape_mn=1x2,gemm2_raster_along_m=0") == {
+        "gemm2_tile_n": 256, "gemm2_cluster_shape_mn": (1, 2), "gemm2_raster_along_m": False}

@@ -4,8 +4,9 @@
 # kScatterSmallGroupMaxRows) and 878 us on the 128x256 cooperative tile in a 1x2 cluster (sweep_moe_gemm), yet
 # profile_fused_moe showed GEMM2 at 912 us in the pipeline. This call settles which tile the pipeline runs
 # (the profile now names each GEMM's configuration), where the rule goes wrong (rows per expert 171 / 341 / 683:
-# T = 4096 is the short-groups tile), and what the cooperative tile gains end to end. One call, ~4 min,
-# main's module (.whl/A.so.xz or a build).
+# T = 4096 is the short-groups tile), and what the cooperative tile gains end to end. One call, ~7 min,
+# main's module (.whl/A.so.xz or a build); with .whl/G2.so.xz (main + 0001 here: the rule, built with
+# tools/prebuild_module.sh) also ABAB bench_fused_moe A / G2 and G2's heuristic test.
 set -uo pipefail
 source tools/device_env.sh >/dev/null
 if [ -f .whl/A.so.xz ]; then rm -f python/cake_ops/_C*.so; xz -dc .whl/A.so.xz > python/cake_ops/_C.abi3.so; else cake_build; fi
@@ -20,4 +21,18 @@ for round in 1 2; do
   run_by 330 40 python3 benchmarks/ab_fused_moe_overrides.py --models kimi_k2_ep8,qwen3_235b --tokens 8192,16384 \
     --overrides gemm2_tile_n=256,gemm2_cluster_shape_mn=1x2 >> $R/ab.txt 2>&1
 done
-grep -vE "UserWarning|_warn_once" $R/profile.txt | grep -E "T=|GEMM"; cat $R/sweep.txt $R/ab.txt | grep -v "^WARNING"
+if [ -f .whl/G2.so.xz ]; then
+  use() { rm -f python/cake_ops/_C*.so; xz -dc .whl/$1.so.xz > python/cake_ops/_C.abi3.so; }
+  for round in 1 2; do
+    for m in A G2; do
+      use $m; echo "== round $round $m ($(el) s)" >> $R/bench.txt
+      run_by 540 50 python3 benchmarks/bench_fused_moe.py --models kimi_k2_ep8,qwen3_235b,qwen3_30b --tokens 4096,8192,16384 \
+        --no-compiled >> $R/bench.txt 2>&1
+    done
+  done
+  DT=/tmp/g2_tests; rm -rf $DT; mkdir -p $DT; cp -r csrc test $DT/
+  (cd $DT && patch -p1 -s < "$OLDPWD/benchmarks/patches/gemm2-tile-ep-shard/0001-scatter-twin-on-few-routes-shards-takes-the-cooperative-tile.patch") || echo "patching the test copy failed" >> $R/tests.txt
+  use G2; run_by 590 20 python3 -m pytest -q $DT/test/test_grouped_gemm.py -k "heuristic" >> $R/tests.txt 2>&1
+  use A
+fi
+grep -vE "UserWarning|_warn_once" $R/profile.txt | grep -E "T=|GEMM"; cat $R/sweep.txt $R/ab.txt $R/bench.txt $R/tests.txt 2>/dev/null | grep -v "^WARNING"

@@ -8,14 +8,11 @@ replays timed in rotation after an L2 flush, both finalize paths; also the tacti
 import argparse
 import warnings
 
-import torch
-
 import cake_ops
 import cake_ops.fused_moe as fm
-from bench_fused_moe import MODELS, routing
-from bench_grouped_gemm import Timer, seed_case
+from bench_grouped_gemm import Timer
 from cake_ops import _C
-from sweep_moe_gemm import model_weights
+from sweep_moe_gemm import model_problems
 
 
 def call(x, ids, scales, w1, w2, e, k, e_local, offset, fused, hint):
@@ -41,26 +38,21 @@ def main():
     names = _C.grouped_gemm_tactics("fwd")
     print(f"{'model':13} {'T':>6} {'fused':>8} {'fused/no':>8} {'det':>8} {'det/no':>8}  (ms, graph replay; "
           "no = hint off)  GEMM1 tactic with / without the hint")
-    for name in args.models.split(","):
-        e, k, h, inter, e_local, offset = MODELS[name]
-        w1, w2 = model_weights(name)
-        for t in [int(v) for v in args.tokens.split(",")]:
-            seed_case(name, t)
-            x = torch.randn(t, h, device="cuda").bfloat16()
-            ids, scales = routing(t, e, k, "cuda")
-            fns = {f"{fin}_{mode}": (call(x, ids, scales, w1, w2, e, k, e_local, offset, fin == "fused", mode == "hint"),
-                                     None)
-                   for fin in ("fused", "det") for mode in ("hint", "no")}
-            a, b = fns["det_hint"][0](), fns["det_no"][0]()
-            diff = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-            assert diff < 1e-2, f"{name} T={t}: the hint changed the result by {diff:.3g}"
-            ms = timer.many(fns, graph=True)
-            routes = t * k
-            hint = fm.expected_routes(routes, e_local, e)
-            with_hint = names[_C.grouped_gemm_tactic_for("fwd", e_local, routes, 2 * inter, h, hint)]
-            without = names[_C.grouped_gemm_tactic_for("fwd", e_local, routes, 2 * inter, h)]
-            print(f"{name:13} {t:6d} {ms['fused_hint']:8.3f} {ms['fused_hint'] / ms['fused_no']:8.3f} "
-                  f"{ms['det_hint']:8.3f} {ms['det_hint'] / ms['det_no']:8.3f}  {with_hint} / {without}", flush=True)
+    for name, t, (e, k, h, inter, e_local, offset), (x, ids, scales, w1, w2) in model_problems(args.models,
+                                                                                               args.tokens):
+        fns = {f"{fin}_{mode}": (call(x, ids, scales, w1, w2, e, k, e_local, offset, fin == "fused", mode == "hint"),
+                                 None)
+               for fin in ("fused", "det") for mode in ("hint", "no")}
+        a, b = fns["det_hint"][0](), fns["det_no"][0]()
+        diff = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+        assert diff < 1e-2, f"{name} T={t}: the hint changed the result by {diff:.3g}"
+        ms = timer.many(fns, graph=True)
+        routes = t * k
+        hint = fm.expected_routes(routes, e_local, e)
+        with_hint = names[_C.grouped_gemm_tactic_for("fwd", e_local, routes, 2 * inter, h, hint)]
+        without = names[_C.grouped_gemm_tactic_for("fwd", e_local, routes, 2 * inter, h)]
+        print(f"{name:13} {t:6d} {ms['fused_hint']:8.3f} {ms['fused_hint'] / ms['fused_no']:8.3f} "
+              f"{ms['det_hint']:8.3f} {ms['det_hint'] / ms['det_no']:8.3f}  {with_hint} / {without}", flush=True)
 
 
 if __name__ == "__main__":

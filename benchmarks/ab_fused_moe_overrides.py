@@ -9,13 +9,10 @@ the heuristic end to end before changing it (sweep_moe_gemm.py times the GEMMs a
 import argparse
 import warnings
 
-import torch
-
 import cake_ops
-from bench_fused_moe import MODELS, routing
-from bench_grouped_gemm import Timer, seed_case
+from bench_grouped_gemm import Timer
 from cake_ops.fused_moe import fused_moe_bf16
-from sweep_moe_gemm import model_weights
+from sweep_moe_gemm import model_problems
 
 
 def parse_overrides(text):
@@ -46,24 +43,17 @@ def main():
     fused = not args.deterministic
     print(f"{'model':13} {'T':>6} {'shipped':>9} {'override':>9} {'ratio':>7}  (ms, graph replays; ratio = "
           f"override / shipped; overrides {overrides}, {'fused finalize' if fused else 'deterministic'})")
-    for name in args.models.split(","):
-        e, k, h, inter, e_local, offset = MODELS[name]
-        w1, w2 = model_weights(name)
-        for t in [int(v) for v in args.tokens.split(",")]:
-            seed_case(name, t)
-            x = torch.randn(t, h, device="cuda").bfloat16()
-            ids, scales = routing(t, e, k, "cuda")
-
-            def call(**kw):
-                return lambda: fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset,
-                                              use_fused_finalize=fused, **kw)
-            fns = {"shipped": (call(), None), "override": (call(**overrides), None)}
-            a, b = fns["shipped"][0]().float(), fns["override"][0]().float()
-            diff = float((a - b).norm() / a.norm().clamp_min(1e-30))
-            assert diff < 1e-2, f"{name} T={t}: the overrides changed the result by {diff:.3g}"
-            ms = timer.many(fns, graph=True)
-            print(f"{name:13} {t:6d} {ms['shipped']:9.3f} {ms['override']:9.3f} "
-                  f"{ms['override'] / ms['shipped']:7.3f}", flush=True)
+    for name, t, (e, k, _, _, e_local, offset), (x, ids, scales, w1, w2) in model_problems(args.models, args.tokens):
+        def call(**kw):
+            return lambda: fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset,
+                                          use_fused_finalize=fused, **kw)
+        fns = {"shipped": (call(), None), "override": (call(**overrides), None)}
+        a, b = fns["shipped"][0]().float(), fns["override"][0]().float()
+        diff = float((a - b).norm() / a.norm().clamp_min(1e-30))
+        assert diff < 1e-2, f"{name} T={t}: the overrides changed the result by {diff:.3g}"
+        ms = timer.many(fns, graph=True)
+        print(f"{name:13} {t:6d} {ms['shipped']:9.3f} {ms['override']:9.3f} "
+              f"{ms['override'] / ms['shipped']:7.3f}", flush=True)
 
 
 if __name__ == "__main__":

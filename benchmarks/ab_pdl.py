@@ -9,10 +9,10 @@ import warnings
 import torch
 
 import cake_ops
-from bench_fused_moe import MODELS, routing
-from bench_grouped_gemm import Timer, seed_case
+from bench_fused_moe import MODELS
+from bench_grouped_gemm import Timer
 from cake_ops.fused_moe import fused_moe_bf16
-from sweep_moe_gemm import model_weights
+from sweep_moe_gemm import model_problems
 
 
 def main():
@@ -25,23 +25,16 @@ def main():
     timer = Timer("cuda", args.reps, 3)
     print(f"{'model':13} {'T':>6} {'fused':>8} {'no pdl':>8} {'ratio':>6} {'det':>8} {'no pdl':>8} {'ratio':>6}"
           "  (ms, graph replays; ratio = no PDL / PDL)")
-    for name in args.models.split(","):
-        e, k, h, inter, e_local, offset = MODELS[name]
-        w1, w2 = model_weights(name)
-        for t in [int(v) for v in args.tokens.split(",")]:
-            seed_case(name, t)
-            x = torch.randn(t, h, device="cuda").bfloat16()
-            ids, scales = routing(t, e, k, "cuda")
-
-            def call(fused, pdl):
-                return lambda: fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset,
-                                              use_fused_finalize=fused, enable_pdl=pdl)
-            fns = {f"{fin}_{pdl}": (call(fin == "fused", pdl), None) for fin in ("fused", "det") for pdl in (True, False)}
-            assert torch.equal(fns["det_True"][0](), fns["det_False"][0]()), f"{name} T={t}: PDL changed the result"
-            ms = timer.many(fns, graph=True)
-            print(f"{name:13} {t:6d} {ms['fused_True']:8.3f} {ms['fused_False']:8.3f} "
-                  f"{ms['fused_False'] / ms['fused_True']:6.3f} {ms['det_True']:8.3f} {ms['det_False']:8.3f} "
-                  f"{ms['det_False'] / ms['det_True']:6.3f}", flush=True)
+    for name, t, (e, k, _, _, e_local, offset), (x, ids, scales, w1, w2) in model_problems(args.models, args.tokens):
+        def call(fused, pdl):
+            return lambda: fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset,
+                                          use_fused_finalize=fused, enable_pdl=pdl)
+        fns = {f"{fin}_{pdl}": (call(fin == "fused", pdl), None) for fin in ("fused", "det") for pdl in (True, False)}
+        assert torch.equal(fns["det_True"][0](), fns["det_False"][0]()), f"{name} T={t}: PDL changed the result"
+        ms = timer.many(fns, graph=True)
+        print(f"{name:13} {t:6d} {ms['fused_True']:8.3f} {ms['fused_False']:8.3f} "
+              f"{ms['fused_False'] / ms['fused_True']:6.3f} {ms['det_True']:8.3f} {ms['det_False']:8.3f} "
+              f"{ms['det_False'] / ms['det_True']:6.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,21 @@ def model_weights(name):
     return w1, w2
 
 
+def model_problems(models, tokens):
+    """fused_moe_bf16's model shapes on CUDA, each T seeded as the other model scripts seed it: yields
+    (name, t, dims, (x, ids, scales, w1, w2)) with dims = (E, top_k, H, I, E_local, offset), for the A/B
+    scripts' loops (comma-separated models and tokens)."""
+    for name in models.split(","):
+        dims = MODELS[name]
+        e, k, h = dims[:3]
+        w1, w2 = model_weights(name)
+        for t in [int(v) for v in tokens.split(",")]:
+            seed_case(name, t)
+            x = torch.randn(t, h, device="cuda").bfloat16()
+            ids, scales = routing(t, e, k, "cuda")
+            yield name, t, dims, (x, ids, scales, w1, w2)
+
+
 def model_gemms(name, w1, w2, t):
     """The MoE GEMMs of T routed tokens of a model shape, each as tactic -> launch: "gemm1" (gather,
     GEMM, SwiGLU), "gemm2" and "gemm2 fused finalize" (the scatter epilogue twin where there is one). An

@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end (on the CPU implementations, tiny shapes): their tables, JSON
 and merge paths are code the H200 results depend on, so a broken script should fail here, not in a
 device call."""
+import importlib
 import json
 import os
 import subprocess
@@ -18,6 +19,15 @@ def run_bench(script, *args):
                           timeout=600)
     assert done.returncode == 0, f"{script} {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
+
+
+def bench_module(name):
+    """A benchmark script imported as a module (they import each other by name from benchmarks/)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 @pytest.mark.parametrize("script, args, summary_key", [
@@ -76,11 +86,7 @@ def test_profile_names_the_grouped_gemm_configuration():
     """profile_fused_moe.py labels a CUTLASS grouped GEMM with its configuration, read from the kernel's
     demangled name (as the profiler reports it; this one is the fused finalize's 64x256 pingpong twin,
     cut short after the tile): the cluster shape comes before the tile shape there."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        from profile_fused_moe import short_name
-    finally:
-        sys.path.remove(str(BENCH))
+    short_name = bench_module("profile_fused_moe").short_name
     scatter = (
         "void cutlass::device_kernel<cake::sm90::WaitForPredecessor<cutlass::gemm::kernel::GemmUniversal<"
         "cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >, cake::sm90::FixedOperandMainloop<"
@@ -101,10 +107,6 @@ def test_overrides_ab_parses_its_overrides():
     overrides into fused_moe_bf16 keywords are checked."""
     usage = run_bench("ab_fused_moe_overrides.py", "--help")
     assert "--overrides" in usage and "--tokens" in usage
-    sys.path.insert(0, str(BENCH))
-    try:
-        from ab_fused_moe_overrides import parse_overrides
-    finally:
-        sys.path.remove(str(BENCH))
+    parse_overrides = bench_module("ab_fused_moe_overrides").parse_overrides
     assert parse_overrides("gemm2_tile_n=256,gemm2_cluster_shape_mn=1x2,gemm2_raster_along_m=0") == {
         "gemm2_tile_n": 256, "gemm2_cluster_shape_mn": (1, 2), "gemm2_raster_along_m": False}

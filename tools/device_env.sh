@@ -52,6 +52,14 @@ cake_source_sum() {
   find csrc CMakeLists.txt CMakePresets.json tools/build_paths.py -type f | LC_ALL=C sort | xargs md5sum | md5sum | cut -c1-32
 }
 
+# A/B calls: install the named module of $WHEELS (NAME.so.xz, from tools/prebuild_module.sh on some tree)
+# as this tree's, whatever sources it was built from (the caller knows what it compares).
+cake_use_module() {
+  # A warm machine may keep an earlier call's build: CPython would import its cpython-312 module first.
+  rm -f python/cake_ops/_C*.so
+  xz -dc "$WHEELS/$1.so.xz" > python/cake_ops/_C.abi3.so
+}
+
 # A module built on another machine against the device's torch (2.11.0+cu130; the module uses the
 # stable Python ABI, so a build under CPython 3.11 imports under 3.12), xz-compressed in the wheels
 # folder by tools/prebuild_module.sh: it saves a call its cold build (~250 s). Installed only for
@@ -63,9 +71,7 @@ cake_use_prebuilt() {
     echo "prebuilt module: built from other sources, not used"
     return 1
   fi
-  # A warm machine may keep an earlier call's build: CPython would import its cpython-312 module first.
-  rm -f python/cake_ops/_C*.so
-  xz -dc "$packed" > python/cake_ops/_C.abi3.so || return 1
+  cake_use_module cake_C_sm90.abi3 || return 1  # = $packed
   if python3 -c "import torch, cake_ops; assert cake_ops._C.CUDA_ARCHS == '90a'; torch.ops.cake.moe_sort" 2>&1; then
     echo "prebuilt module in use"
   else

@@ -9,7 +9,7 @@
 # tools/prebuild_module.sh) also ABAB bench_fused_moe A / G2 and G2's heuristic test.
 set -uo pipefail
 source tools/device_env.sh >/dev/null
-if [ -f .whl/A.so.xz ]; then rm -f python/cake_ops/_C*.so; xz -dc .whl/A.so.xz > python/cake_ops/_C.abi3.so; else cake_build; fi
+if [ -f .whl/A.so.xz ]; then cake_use_module A; else cake_build; fi
 R=$OUT/gemm2_tile; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > $R/gpu.txt
 run_by 90 20 python3 benchmarks/profile_fused_moe.py --seed 0 --models kimi_k2_ep8,qwen3_235b --tokens 8192,16384 \
@@ -22,17 +22,16 @@ for round in 1 2; do
     --overrides gemm2_tile_n=256,gemm2_cluster_shape_mn=1x2 >> $R/ab.txt 2>&1
 done
 if [ -f .whl/G2.so.xz ]; then
-  use() { rm -f python/cake_ops/_C*.so; xz -dc .whl/$1.so.xz > python/cake_ops/_C.abi3.so; }
   for round in 1 2; do
     for m in A G2; do
-      use $m; echo "== round $round $m ($(el) s)" >> $R/bench.txt
+      cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/bench.txt
       run_by 540 50 python3 benchmarks/bench_fused_moe.py --models kimi_k2_ep8,qwen3_235b,qwen3_30b --tokens 4096,8192,16384 \
         --no-compiled >> $R/bench.txt 2>&1
     done
   done
   DT=/tmp/g2_tests; rm -rf $DT; mkdir -p $DT; cp -r csrc test $DT/
   (cd $DT && patch -p1 -s < "$OLDPWD/benchmarks/patches/gemm2-tile-ep-shard/0001-scatter-twin-on-few-routes-shards-takes-the-cooperative-tile.patch") || echo "patching the test copy failed" >> $R/tests.txt
-  use G2; run_by 590 20 python3 -m pytest -q $DT/test/test_grouped_gemm.py -k "heuristic" >> $R/tests.txt 2>&1
-  use A
+  cake_use_module G2; run_by 590 20 python3 -m pytest -q $DT/test/test_grouped_gemm.py -k "heuristic" >> $R/tests.txt 2>&1
+  cake_use_module A
 fi
 grep -vE "UserWarning|_warn_once" $R/profile.txt | grep -E "T=|GEMM"; cat $R/sweep.txt $R/ab.txt $R/bench.txt $R/tests.txt 2>/dev/null | grep -v "^WARNING"

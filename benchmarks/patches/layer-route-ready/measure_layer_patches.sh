@@ -11,13 +11,12 @@
 # decode tests on D and on R; ab_moe_layer on D and A.
 set -uo pipefail
 source tools/device_env.sh >/dev/null
-use() { rm -f python/cake_ops/_C*.so; xz -dc .whl/$1.so.xz > python/cake_ops/_C.abi3.so; }
 R=$OUT/layer_patches; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > $R/gpu.txt
 for round in 1 2; do
   for m in A S C R D; do
     [ -f .whl/$m.so.xz ] || continue
-    use $m
+    cake_use_module $m
     echo "== round $round $m ($(el) s)" | tee -a $R/profile.txt
     run_by 380 15 python3 benchmarks/profile_stepfun_moe.py --seed 0 --shapes issue_geometry,step35_flash --tokens 1,8 >> $R/profile.txt 2>&1
     run_by 380 10 python3 benchmarks/profile_stepfun_moe.py --seed 0 --shapes issue_geometry,step35_flash --families fp8 --tokens 1 --static-scales >> $R/profile.txt 2>&1
@@ -30,13 +29,13 @@ DT=/tmp/layer_patches_tree; rm -rf $DT; mkdir -p $DT; cp -r csrc test $DT/
 (cd $DT && patch -p1 -s < "$OLDPWD/benchmarks/patches/stage-first/0001-first-b-chunk-staged-before-the-step-loop.patch" &&
   patch -p1 -s < "$OLDPWD/benchmarks/patches/layer-route-ready/0002-on-top-of-stage-first.patch") || echo "patching the test copy failed"
 for m in D R; do
-  use $m
+  cake_use_module $m
   echo "== $m layer/decode tests ($(el) s)" | tee -a $R/tests.txt
   run_by 490 45 python3 -m pytest $DT/test/test_moe_ops.py $DT/test/test_stepfun_moe.py $DT/test/test_fused_moe.py -q -x \
     -k 'layer or decode or one_token' >> $R/tests.txt 2>&1
 done
 for m in D A; do
-  use $m
+  cake_use_module $m
   echo "== ab_moe_layer $m ($(el) s)" | tee -a $R/ab_layer.txt
   run_by 585 40 python3 benchmarks/ab_moe_layer.py --tokens 1,2 --stepfun-tokens 1 >> $R/ab_layer.txt 2>&1
 done

@@ -8,22 +8,21 @@
 # main's (and main's plain GEMM2), then the finalize tests on SD in mode 0.
 set -uo pipefail
 source tools/device_env.sh >/dev/null
-use() { rm -f python/cake_ops/_C*.so; xz -dc .whl/$1.so.xz > python/cake_ops/_C.abi3.so; }
 R=$OUT/scatter_diag; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > $R/gpu.txt
 SWEEP=(python3 benchmarks/sweep_moe_gemm.py --shapes "" --top 2)
-use A;  echo "== A ($(el) s)" >> $R/sweep.txt
+cake_use_module A;  echo "== A ($(el) s)" >> $R/sweep.txt
 run_by 120 10 "${SWEEP[@]}" --models qwen3_235b --tokens 4096 --gemms "gemm2,gemm2 fused finalize" >> $R/sweep.txt 2>&1
-use SD
+cake_use_module SD
 for mode in 0 1 2; do
   echo "== SD mode $mode ($(el) s)" >> $R/sweep.txt
   run_by 120 10 env CAKE_SCATTER_MODE=$mode "${SWEEP[@]}" --models qwen3_235b --tokens 4096 --gemms "gemm2 fused finalize" >> $R/sweep.txt 2>&1
 done
 echo "== SD mode 0, Kimi T=16384 ($(el) s)" >> $R/sweep.txt
 run_by 150 20 "${SWEEP[@]}" --models kimi_k2_ep8 --tokens 16384 --gemms "gemm2 fused finalize" >> $R/sweep.txt 2>&1
-use A; echo "== A, Kimi T=16384 ($(el) s)" >> $R/sweep.txt
+cake_use_module A; echo "== A, Kimi T=16384 ($(el) s)" >> $R/sweep.txt
 run_by 180 20 "${SWEEP[@]}" --models kimi_k2_ep8 --tokens 16384 --gemms "gemm2 fused finalize" >> $R/sweep.txt 2>&1
-use SD; echo "== SD tests ($(el) s)" >> $R/tests.txt
+cake_use_module SD; echo "== SD tests ($(el) s)" >> $R/tests.txt
 run_by 205 30 python3 -m pytest test/test_moe_ops.py test/test_fused_moe.py -q -x -k 'finalize or scatter or gemm2' >> $R/tests.txt 2>&1
-use A
+cake_use_module A
 echo "== end ($(el) s)" >> $R/sweep.txt

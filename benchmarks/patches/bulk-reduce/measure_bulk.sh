@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Session 42: the fused finalize's scatter as bulk reductions (patch 0001: each row's 128-byte chunk staged in
+# shared memory, one cp.reduce.async.bulk a row and chunk) against main's 16-byte reds. One call, ~8 min:
+# the red-vs-bulk microbenchmark, module BK's scatter tests, then ABAB bench_fused_moe A / BK and a GEMM2 profile.
+# Needs .whl/A.so.xz (main) and .whl/BK.so.xz (main + 0001, built with tools/prebuild_module.sh). With .whl/R.so.xz
+# (main + layer-route-ready/0001, session 39; only measured on an H100 so far) also ABAB bench_stepfun_moe A / R at
+# T = 1 and 8: the fp8 / bf16 ratio at T=1 is 0.62-0.63 where issue 5 asks 0.6.
+set -uo pipefail
+source tools/device_env.sh >/dev/null
+R=$OUT/bulk; mkdir -p $R
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > $R/gpu.txt
+nvcc -O3 -arch=sm_90a -o /tmp/red_vs_bulk benchmarks/patches/bulk-reduce/red_vs_bulk.cu && /tmp/red_vs_bulk > $R/micro.txt 2>&1
+DT=/tmp/bk_tests; rm -rf $DT; mkdir -p $DT; cp -r test $DT/
+cake_use_module BK
+run_by 200 20 python3 -m pytest -q -x $DT/test/test_moe_ops.py -k "finalize" >> $R/tests.txt 2>&1
+run_by 260 20 python3 -m pytest -q -x $DT/test/test_fused_moe.py -k "reference or tail or graph or compile" >> $R/tests.txt 2>&1
+if [ -f .whl/R.so.xz ]; then
+  for round in 1 2; do
+    for m in A R; do
+      cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/stepfun.txt
+      run_by 300 25 python3 benchmarks/bench_stepfun_moe.py --shapes issue_geometry,step35_flash --tokens 1,8 >> $R/stepfun.txt 2>&1
+    done
+  done
+fi
+for round in 1 2; do
+  for m in A BK; do
+    cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/bench.txt
+    run_by 520 50 python3 benchmarks/bench_fused_moe.py --models qwen3_30b,qwen3_235b,kimi_k2_ep8,mixtral_8x7b --tokens 1024,4096,16384 \
+      --no-compiled >> $R/bench.txt 2>&1
+  done
+done
+for m in A BK; do
+  cake_use_module $m; echo "== $m" >> $R/profile.txt
+  run_by 580 20 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,kimi_k2_ep8 --tokens 4096,16384 \
+    >> $R/profile.txt 2>&1
+done
+cake_use_module A
+cat $R/micro.txt; tail -3 $R/tests.txt; grep -v "^WARNING" $R/stepfun.txt; grep -v "^WARNING" $R/bench.txt; grep -vE "UserWarning|_warn_once" $R/profile.txt | grep -E "^==|T=|scatter"

@@ -11,6 +11,9 @@ R=$OUT/bulk; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > $R/gpu.txt
 nvcc -O3 -arch=sm_90a -o /tmp/red_vs_bulk benchmarks/patches/bulk-reduce/red_vs_bulk.cu && /tmp/red_vs_bulk > $R/micro.txt 2>&1
 DT=/tmp/bk_tests; rm -rf $DT; mkdir -p $DT; cp -r test $DT/
+# hidden 328: the last 64-column chunk of a row is 8 columns (a 16-byte bulk reduction)
+sed -i 's/t, k, hidden, inter_size = 300, 2, 320, 192/t, k, hidden, inter_size = 300, 2, 328, 192/' $DT/test/test_moe_ops.py
+grep -q "300, 2, 328, 192" $DT/test/test_moe_ops.py || echo "the test copy kept hidden 320" >> $R/tests.txt
 cake_use_module BK
 run_by 200 20 python3 -m pytest -q -x $DT/test/test_moe_ops.py -k "finalize" >> $R/tests.txt 2>&1
 run_by 260 20 python3 -m pytest -q -x $DT/test/test_fused_moe.py -k "reference or tail or graph or compile" >> $R/tests.txt 2>&1

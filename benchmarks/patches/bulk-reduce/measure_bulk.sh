@@ -18,23 +18,23 @@ cake_use_module BK
 run_by 200 20 python3 -m pytest -q -x $DT/test/test_moe_ops.py -k "finalize" >> $R/tests.txt 2>&1
 run_by 260 20 python3 -m pytest -q -x $DT/test/test_fused_moe.py -k "reference or tail or graph or compile" >> $R/tests.txt 2>&1
 for round in 1 2; do
-  for m in A R C; do
-    [ -f .whl/$m.so.xz ] || continue
-    cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/stepfun.txt
-    run_by 300 20 python3 benchmarks/bench_stepfun_moe.py --shapes issue_geometry,step35_flash --tokens 1 >> $R/stepfun.txt 2>&1
-  done
-done
-for round in 1 2; do
   for m in A BK; do
     cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/bench.txt
-    run_by 520 50 python3 benchmarks/bench_fused_moe.py --models qwen3_30b,qwen3_235b,kimi_k2_ep8,mixtral_8x7b --tokens 1024,4096,16384 \
+    run_by 400 50 python3 benchmarks/bench_fused_moe.py --models qwen3_30b,qwen3_235b,kimi_k2_ep8,mixtral_8x7b --tokens 1024,4096,16384 \
       --no-compiled >> $R/bench.txt 2>&1
   done
 done
 for m in A BK; do
   cake_use_module $m; echo "== $m" >> $R/profile.txt
-  run_by 580 20 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,kimi_k2_ep8 --tokens 4096,16384 \
+  run_by 470 20 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,kimi_k2_ep8 --tokens 4096,16384 \
     >> $R/profile.txt 2>&1
+done
+for round in 1 2; do
+  for m in A R C; do
+    [ -f .whl/$m.so.xz ] || continue
+    cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/stepfun.txt
+    run_by 540 20 python3 benchmarks/bench_stepfun_moe.py --shapes issue_geometry,step35_flash --tokens 1 >> $R/stepfun.txt 2>&1
+  done
 done
 cake_use_module A
 cat $R/micro.txt; tail -3 $R/tests.txt; grep -v "^WARNING" $R/stepfun.txt; grep -v "^WARNING" $R/bench.txt; grep -vE "UserWarning|_warn_once" $R/profile.txt | grep -E "^==|T=|scatter"

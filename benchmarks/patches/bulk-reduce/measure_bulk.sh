@@ -5,7 +5,9 @@
 # Needs .whl/A.so.xz (main) and .whl/BK.so.xz (main + 0001, built with tools/prebuild_module.sh). With .whl/R.so.xz
 # (main + layer-route-ready/0001, session 39; only measured on an H100 so far) also ABAB bench_stepfun_moe A / R at
 # T = 1, and C (main + stage-first/0001) likewise: the fp8 / bf16 ratio at T=1 is 0.62-0.63 where issue 5 asks 0.6.
+# `measure_bulk.sh quick`: the microbenchmark, the tests and the ABAB at T = 4096 / 16384 on three models only.
 set -uo pipefail
+QUICK=${1:-}
 source tools/device_env.sh >/dev/null
 R=$OUT/bulk; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv > $R/gpu.txt
@@ -20,18 +22,24 @@ run_by 260 20 python3 -m pytest -q -x $DT/test/test_fused_moe.py -k "reference o
 for round in 1 2; do
   for m in A BK; do
     cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/bench.txt
-    run_by 400 50 python3 benchmarks/bench_fused_moe.py --models qwen3_30b,qwen3_235b,kimi_k2_ep8,mixtral_8x7b --tokens 1024,4096,16384 \
-      --no-compiled >> $R/bench.txt 2>&1
+    if [ -n "$QUICK" ]; then
+      run_by 400 50 python3 benchmarks/bench_fused_moe.py --models qwen3_30b,qwen3_235b,kimi_k2_ep8 --tokens 4096,16384 \
+        --no-compiled >> $R/bench.txt 2>&1
+    else
+      run_by 400 50 python3 benchmarks/bench_fused_moe.py --models qwen3_30b,qwen3_235b,kimi_k2_ep8,mixtral_8x7b \
+        --tokens 1024,4096,16384 --no-compiled >> $R/bench.txt 2>&1
+    fi
   done
 done
 for m in A BK; do
+  [ -z "$QUICK" ] || break
   cake_use_module $m; echo "== $m" >> $R/profile.txt
   run_by 470 20 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,kimi_k2_ep8 --tokens 4096,16384 \
     >> $R/profile.txt 2>&1
 done
 for round in 1 2; do
   for m in A R C; do
-    [ -f .whl/$m.so.xz ] || continue
+    [ -f .whl/$m.so.xz ] && [ -z "$QUICK" ] || continue
     cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/stepfun.txt
     run_by 540 20 python3 benchmarks/bench_stepfun_moe.py --shapes issue_geometry,step35_flash --tokens 1 >> $R/stepfun.txt 2>&1
   done

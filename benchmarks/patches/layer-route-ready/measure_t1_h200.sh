@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 42: the session-39 decode patches at StepFun T=1 on an H200 (only H100 numbers so far, where phase 1 is
 # bandwidth-bound): bench_stepfun_moe rounds A R C twice (A main, R main + 0001 here, C main + stage-first/0001;
-# modules in .whl). ~2.5 min.
+# modules in .whl). ~2.5 min. Ask for the H200 with needs_h200: without it call 13 ran on an H100.
 set -uo pipefail
 source tools/device_env.sh >/dev/null
 R=$OUT/t1; mkdir -p $R

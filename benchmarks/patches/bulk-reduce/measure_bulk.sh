@@ -2,9 +2,7 @@
 # Session 42: the fused finalize's scatter as bulk reductions (patch 0001: each row's 128-byte chunk staged in
 # shared memory, one cp.reduce.async.bulk a row and chunk) against main's 16-byte reds. One call, ~8 min:
 # the red-vs-bulk microbenchmark, module BK's scatter tests, then ABAB bench_fused_moe A / BK and a GEMM2 profile.
-# Needs .whl/A.so.xz (main) and .whl/BK.so.xz (main + 0001, built with tools/prebuild_module.sh). With .whl/R.so.xz
-# (main + layer-route-ready/0001, session 39; only measured on an H100 so far) also ABAB bench_stepfun_moe A / R at
-# T = 1, and C (main + stage-first/0001) likewise: the fp8 / bf16 ratio at T=1 is 0.62-0.63 where issue 5 asks 0.6.
+# Needs .whl/A.so.xz (main) and .whl/BK.so.xz (main + 0001, built with tools/prebuild_module.sh).
 # `measure_bulk.sh quick`: the microbenchmark, the scatter op tests and the ABAB at T = 4096 on three models only.
 set -uo pipefail
 QUICK=${1:-}
@@ -35,18 +33,12 @@ for round in 1 2; do
     fi
   done
 done
-for m in A BK; do
-  [ -z "$QUICK" ] || break
-  cake_use_module $m; echo "== $m" >> $R/profile.txt
-  run_by 470 20 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,kimi_k2_ep8 --tokens 4096,16384 \
-    >> $R/profile.txt 2>&1
-done
-for round in 1 2; do
-  for m in A R C; do
-    [ -f .whl/$m.so.xz ] && [ -z "$QUICK" ] || continue
-    cake_use_module $m; echo "== round $round $m ($(el) s)" >> $R/stepfun.txt
-    run_by 540 20 python3 benchmarks/bench_stepfun_moe.py --shapes issue_geometry,step35_flash --tokens 1 >> $R/stepfun.txt 2>&1
+if [ -z "$QUICK" ]; then
+  for m in A BK; do
+    cake_use_module $m; echo "== $m" >> $R/profile.txt
+    run_by 470 20 python3 benchmarks/profile_fused_moe.py --seed 0 --models qwen3_30b,qwen3_235b,kimi_k2_ep8 \
+      --tokens 4096,16384 >> $R/profile.txt 2>&1
   done
-done
+fi
 cake_use_module A
-cat $R/micro.txt; tail -3 $R/tests.txt; grep -v "^WARNING" $R/stepfun.txt; grep -v "^WARNING" $R/bench.txt; grep -vE "UserWarning|_warn_once" $R/profile.txt | grep -E "^==|T=|scatter"
+cat $R/micro.txt; tail -3 $R/tests.txt; grep -v "^WARNING" $R/bench.txt; grep -vE "UserWarning|_warn_once" $R/profile.txt | grep -E "^==|T=|scatter"

@@ -9,6 +9,13 @@
 //   lockstep permuted rows in the order (position within the expert, expert): one kernel, any
 //            permutation, and the top_k reads of a token close in time (rows sorted by expert)
 //   lockstep_cs  the same with streaming stores
+//   token_bulk   warp per token, by the bulk copy engine: x[t] into shared memory by one TMA bulk
+//            load, then top_k bulk stores of the row (cp.async.bulk.global.shared::cta)
+//   token_nox    token's stores with no reads (a constant): its store pattern alone
+//   token_l2x    token after a kernel that pulls x into L2 by bulk prefetches (both timed): what a
+//            prefetch of x issued while moe_sort runs could leave of the gather
+//   write_only   the ceiling: the rows' bytes written in order (16-byte stores, grid-stride), no reads
+//   memset   cudaMemsetAsync of the rows' bytes
 // Routing: top_k distinct random experts of E per token, rows sorted by expert (stable), as
 // moe_sort makes them. Median of 20 runs, each after a 256 MB read that empties L2.
 //   nvcc -O3 -arch=sm_90a -o /tmp/gather_order benchmarks/gather_order.cu && /tmp/gather_order
@@ -77,7 +84,7 @@ __global__ void invert(const int32_t* permuted_to_expanded, int64_t rows, int32_
   if (p < rows) expanded_to_permuted[permuted_to_expanded[p]] = static_cast<int32_t>(p);
 }
 
-template <bool kStreaming>
+template <bool kStreaming, bool kReadX = true>
 __global__ void __launch_bounds__(32 * kRowsPerBlock)
     scatter_tokens(const uint4* x, int64_t row_vecs, const int32_t* expanded_to_permuted, int top_k, int64_t tokens,
                    uint4* out) {
@@ -91,7 +98,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (i0 + 32 * u < row_vecs) v[u] = __ldg(src + i0 + 32 * u);
+      if (i0 + 32 * u < row_vecs) v[u] = kReadX ? __ldg(src + i0 + 32 * u) : make_uint4(u, 1, 2, 3);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (dst_row[j] < 0) continue;
@@ -101,6 +108,54 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
         if (i0 + 32 * u < row_vecs) store<kStreaming>(dst + i0 + 32 * u, v[u]);
     }
   }
+}
+
+// Warp per token through the bulk copy engine (lane 0 issues): one bulk load of x[t] into the warp's
+// shared-memory row, then a bulk store of it to each of the token's rows.
+__global__ void __launch_bounds__(32 * kRowsPerBlock)
+    scatter_tokens_bulk(const uint4* x, int64_t row_vecs, const int32_t* expanded_to_permuted, int top_k,
+                        int64_t tokens, uint4* out) {
+  extern __shared__ __align__(128) uint4 rows_smem[];
+  __shared__ __align__(8) uint64_t bars[kRowsPerBlock];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = int64_t(blockIdx.x) * kRowsPerBlock + warp;
+  if (t >= tokens || lane != 0) return;
+  const uint32_t bytes = static_cast<uint32_t>(row_vecs * 16);
+  uint4* row = rows_smem + warp * row_vecs;
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(bars + warp));
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(x + t * row_vecs), "r"(bytes), "r"(bar) : "memory");
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(bar) : "memory");
+  }
+  for (int j = 0; j < top_k; ++j) {
+    const int32_t r = expanded_to_permuted[t * top_k + j];
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"(out + int64_t(r) * row_vecs), "r"(dst), "r"(bytes) : "memory");
+  }
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+// x into L2: 32 KB bulk prefetches, one per thread.
+__global__ void prefetch_l2(const uint8_t* x, int64_t bytes) {
+  constexpr int64_t kPiece = 32 << 10;
+  for (int64_t at = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPiece; at < bytes;
+       at += int64_t(gridDim.x) * blockDim.x * kPiece) {
+    const uint32_t size = static_cast<uint32_t>(min(kPiece, bytes - at));
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(x + at), "r"(size) : "memory");
+  }
+}
+
+__global__ void write_words(uint4* out, int64_t n) {
+  const uint4 v = make_uint4(1, 2, 3, 4);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) out[i] = v;
 }
 
 int main() {
@@ -113,8 +168,10 @@ int main() {
                         {"qwen3_235b T=4096", 4096, 4096, 128, 8},  {"qwen3_235b T=16384", 16384, 4096, 128, 8},
                         {"mixtral T=16384", 16384, 4096, 8, 2},     {"qwen3_30b T=16384 hot", 16384, 2048, 128, 8, true}};
   MedianTimer timer;
-  std::printf("%-20s %9s %15s %15s %15s %15s %15s %15s   (us; TB/s of x once + the rows written)\n", "case", "MB",
-              "row", "row_cs", "token", "token_cs", "lockstep", "lockstep_cs");
+  CHECK(cudaFuncSetAttribute(scatter_tokens_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 8 * 8192));
+  std::printf("%-20s %9s %15s %15s %15s %15s %15s %15s %15s %15s %15s %15s %15s   (us; TB/s of x once + the rows written)\n",
+              "case", "MB", "row", "row_cs", "token", "token_cs", "lockstep", "lockstep_cs", "token_bulk", "write_only",
+              "memset", "token_nox", "token_l2x");
   std::mt19937 rng(0);
   for (const Case& c : cases) {
     const int64_t routes = int64_t(c.tokens) * c.top_k, row_bytes = int64_t(c.hidden) * 2, row_vecs = row_bytes / 16;
@@ -160,18 +217,30 @@ int main() {
         gather_lockstep<false><<<row_blocks, 256>>>(xs, row_vecs, p2e, c.top_k, offs, c.experts, routes, o);
       if (variant == 5)
         gather_lockstep<true><<<row_blocks, 256>>>(xs, row_vecs, p2e, c.top_k, offs, c.experts, routes, o);
+      if (variant == 6) {
+        invert<<<static_cast<unsigned>((routes + 255) / 256), 256>>>(p2e, routes, e2p);
+        scatter_tokens_bulk<<<token_blocks, 256, kRowsPerBlock * row_bytes>>>(xs, row_vecs, e2p, c.top_k, c.tokens, o);
+      }
+      if (variant == 7) write_words<<<132 * 8, 512>>>(o, routes * row_vecs);
+      if (variant == 8) CHECK(cudaMemsetAsync(out, 0, routes * row_bytes));
+      if (variant == 9 || variant == 10) invert<<<static_cast<unsigned>((routes + 255) / 256), 256>>>(p2e, routes, e2p);
+      if (variant == 9) scatter_tokens<false, false><<<token_blocks, 256>>>(xs, row_vecs, e2p, c.top_k, c.tokens, o);
+      if (variant == 10) {
+        prefetch_l2<<<132, 128>>>(x, c.tokens * row_bytes);
+        scatter_tokens<false><<<token_blocks, 256>>>(xs, row_vecs, e2p, c.top_k, c.tokens, o);
+      }
     };
     const double bytes = double(c.tokens) * row_bytes + double(routes) * row_bytes;
     std::printf("%-20s %9.1f", c.name, bytes / 1e6);
     run(0);
     CHECK(cudaMemcpy(ref, out, routes * row_bytes, cudaMemcpyDeviceToDevice));
-    for (int variant = 0; variant < 6; ++variant) {
+    for (int variant = 0; variant < 11; ++variant) {
       CHECK(cudaMemset(out, 0, routes * row_bytes));
       run(variant);
       std::vector<uint8_t> got(routes * row_bytes), want(routes * row_bytes);
       CHECK(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(want.data(), ref, want.size(), cudaMemcpyDeviceToHost));
-      const bool same = got == want;
+      const bool same = variant == 7 || variant == 8 || variant == 9 || got == want;  // these copy nothing
       const float med = timer([&](int) { run(variant); });
       std::printf(" %7.1f (%4.2f)%s", med * 1e3, bytes / (med * 1e-3) / 1e12, same ? " " : "!");
     }

@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
 }
 
 // Warp per token through the bulk copy engine (lane 0 issues): one bulk load of x[t] into the warp's
-// shared-memory row, then a bulk store of it to each of the token's rows.
+// shared-memory row, then a bulk store of it to each of the token's rows. Every route kept, as the cases
+// route; rows up to 8 KB (the shared memory main() allows it).
 __global__ void __launch_bounds__(32 * kRowsPerBlock)
     scatter_tokens_bulk(const uint4* x, int64_t row_vecs, const int32_t* expanded_to_permuted, int top_k,
                         int64_t tokens, uint4* out) {

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Session 45 measured it on an H100 (results/ab_decode_two_tiles_h100_s45.txt): 1-3% slower, the one-tile control
+# too; rejected (NOTES session 45 item 4).
 # Session 44: the decode GEMM kernel with two weight tiles a CTA and its ring carried across passes (0001; module C
 # in .whl, main's module A): its tests (test_decode_kernel_two_tiles_a_cta: bitwise the one-tile grid; the decode and
 # layer tests), then ABAB where the decode kernel runs: fused_moe Qwen3-30B / Qwen3-235B / Kimi shard (one tile a CTA:

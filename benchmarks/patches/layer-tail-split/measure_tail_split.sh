@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Session 45 measured it on an H100 (results/ab_tail_split_static_early_h100_s45.txt, traces in
+# results/trace_tail_split_h100_s45.txt): +2 to +5 us at T=1, rejected (NOTES session 45 item 2).
 # Session 44: the layer kernel's phase-1 tail split (0001; module B in .whl, main's module A) on the GPU:
 # its tests (bitwise against the staged decode ops; the tail split itself in test_layer_kernel_splits_
 # phase1_last_round), then ABAB at T=1: StepFun issue geometry / Step-3.5 (bf16, fp8) and fused_moe

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Session 45 measured it on an H100 (results/ab_tail_split_static_early_h100_s45.txt): level; rejected (NOTES
+# session 45 item 3).
 # Session 44: static fp8 activation scales read before the weight copies (0001; module S in .whl, main's module A):
 # the layer / decode / StepFun tests on S (static scales are in their bitwise cases), then ABAB of StepFun fp8 and
 # fp8-static at T=1 (the layer kernel) and T=8 (the decode kernel). ~4 min. The patch changes no test: run on main's tree.

@@ -1,0 +1,306 @@
+// Diagnostic prototype (not part of the library; benchmarks/NOTES.md, session 45): a swap-AB grouped
+// GEMM, y[rows of expert e] = x[rows of e] @ w[e]^T, whose tiles end at each expert's last token in
+// steps of 32 rows instead of padding the expert to 64-row tiles. An expert's rows are split evenly
+// into tiles of <= 256 tokens (272 rows: 160 + 112); a tile is 128 weight rows x those tokens, issued
+// as 32-wide wgmma chunks to its last one, the count a run-time value (swapab.cuh, rs_chunks32).
+// Tokens are sorted by expert (GEMM2's layout: no gather), the epilogue stores bf16 directly (not
+// staged), tiles are a host-built list in expert order (the library would build it on the device):
+// this measures the mainloop's rate on the real ragged shapes, not a finished kernel.
+//
+// Checks first (every output of a small problem with empty, 1-, 15-, 17-, 64-, 256-, 257- and 300-row
+// experts; sampled outputs of each timed one, every expert's first and last row included, against
+// float sums), then per shape: ms, useful TFLOP/s, the MMA rows issued over the rows (this tiling and
+// 64-row tiles), and the same kernel on the same rows as one expert (dense: full tiles) for scale.
+//   CUTE=$(python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")/source/include
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I$CUTE -o /tmp/swapab_grouped benchmarks/swapab_grouped.cu && /tmp/swapab_grouped
+#include <cuda_bf16.h>
+
+#include <random>
+
+#include "swapab.cuh"
+
+using namespace swapab;
+
+// Tokens [x_row, x_row + rows) of one expert times its weight rows [w_row, w_row + 128), which are
+// output columns [out_col, out_col + 128).
+struct Unit {
+  int x_row, rows, w_row, out_col;
+};
+
+struct GroupedArgs {
+  const Unit* units;
+  int num_units;
+  int k_blocks;
+  int n_out;
+  __nv_bfloat16* y;
+};
+
+// One tile: its width in 32-wide chunks chosen at run time inside one mainloop (swapab.cuh, rs_chunks32).
+__device__ __forceinline__ void consume_unit(const Ring& ring, int i, int cwg, const Unit& u, const GroupedArgs& a) {
+  constexpr int kN = kXRowsMax;
+  float acc[kN / 2];
+  mma_tile<false, 0, 0>(ring, i, a.k_blocks, cwg, acc, (u.rows + 31) / 32);
+  // acc[4 g + {0, 1}]: weight row r (and r + 8 for {2, 3}), tokens 8 g + 2 (lane % 4) + {0, 1}.
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+  const int col = u.out_col + cwg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int g = 0; g < kN / 8; ++g) {
+#pragma unroll
+    for (int d = 0; d < 2; ++d) {
+      const int token = 8 * g + 2 * (lane % 4) + d;
+      if (8 * g < u.rows && token < u.rows) {
+        __nv_bfloat16* row = a.y + int64_t(u.x_row + token) * a.n_out;
+        row[col] = __float2bfloat16(acc[4 * g + d]);
+        row[col + 8] = __float2bfloat16(acc[4 * g + 2 + d]);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_kernel(const __grid_constant__ CUtensorMap tma_w, const __grid_constant__ CUtensorMap tma_x64,
+                   const __grid_constant__ CUtensorMap tma_x16, GroupedArgs a) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ uint64_t barriers[2 * kStages];
+  const Ring ring = make_ring(smem_raw, barriers);
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      int i = 0;
+      for (int n = blockIdx.x; n < a.num_units; n += gridDim.x) {
+        const Unit u = a.units[n];
+        const int steps = (u.rows + 31) / 32 * 2, wide = steps / 4;  // 16-row boxes of the 32-row chunks
+        for (int kb = 0; kb < a.k_blocks; ++kb, ++i) {
+          const int s = i % kStages;
+          uint64_t* full = produce_stage(ring, i, kWStage + steps * 16 * kRowBytes);
+          tma_load(tma_w, full, ring.w + s * kWStage, kb * 64, u.w_row);
+          // The tile's token rows in boxes of 64, then 16 (rows past the expert's are loaded, not used).
+          for (int j = 0; j < wide; ++j) {
+            tma_load(tma_x64, full, ring.x + s * kXStage + j * 64 * kRowBytes, kb * 64, u.x_row + 64 * j);
+          }
+          for (int j = 64 * wide; j < 16 * steps; j += 16) {
+            tma_load(tma_x16, full, ring.x + s * kXStage + j * kRowBytes, kb * 64, u.x_row + j);
+          }
+        }
+      }
+    }
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  int i = 0;
+  for (int n = blockIdx.x; n < a.num_units; n += gridDim.x, i += a.k_blocks) {
+    const Unit u = a.units[n];
+    consume_unit(ring, i, wg - 1, u, a);
+  }
+}
+
+// y_ref at sampled (row, col): float sums of bf16 products; the expert of a row from the offsets.
+__global__ void reference_kernel(const __nv_bfloat16* x, const __nv_bfloat16* w, const int* offsets, int experts,
+                                 const int2* samples, int n, int k, int n_out, float* out) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= n) return;
+  const int row = samples[s].x, col = samples[s].y;
+  int e = 0;
+  while (e + 1 < experts && offsets[e + 1] <= row) ++e;
+  const __nv_bfloat16* xr = x + int64_t(row) * k;
+  const __nv_bfloat16* wr = w + (int64_t(e) * n_out + col) * k;
+  float sum = 0.0f;
+  for (int j = 0; j < k; ++j) sum += __bfloat162float(xr[j]) * __bfloat162float(wr[j]);
+  out[s] = sum;
+}
+
+struct Problem {
+  const char* name;
+  std::vector<int> rows;  // per expert
+  int n_out, k;
+};
+
+struct Built {
+  std::vector<int> offsets;
+  std::vector<Unit> units;
+  int64_t mma_rows = 0, rows64 = 0;  // token rows the MMAs issue, this tiling / 64-row tiles
+};
+
+Built build(const Problem& p) {
+  Built b;
+  b.offsets.push_back(0);
+  for (int r : p.rows) b.offsets.push_back(b.offsets.back() + r);
+  for (int e = 0; e < int(p.rows.size()); ++e) {
+    const int rows = p.rows[e];
+    if (rows == 0) continue;
+    const int tiles = (rows + kXRowsMax - 1) / kXRowsMax;
+    const int base = ((rows + tiles - 1) / tiles + 31) / 32 * 32;  // even tiles, 32-row chunks
+    for (int m = 0; m < p.n_out; m += kWRows) {
+      for (int t = 0; t < tiles; ++t) {
+        const int first = t * base, n = std::min(base, rows - first);
+        if (n <= 0) {
+          std::printf("bad split: %d rows, %d tiles of %d\n", rows, tiles, base);
+          std::exit(1);
+        }
+        b.units.push_back({b.offsets[e] + first, n, e * p.n_out + m, m});
+        if (m == 0) b.mma_rows += (n + 31) / 32 * 32;
+      }
+    }
+    b.rows64 += (rows + 63) / 64 * 64;
+  }
+  return b;
+}
+
+// k distinct experts of `experts` for each of `tokens` tokens (the bench's softmax top-k of normal
+// logits picks such a set); the counts of the first `local` experts.
+std::vector<int> route(int tokens, int experts, int top_k, int local, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int> counts(experts, 0), pick(experts);
+  for (int e = 0; e < experts; ++e) pick[e] = e;
+  for (int t = 0; t < tokens; ++t) {
+    for (int j = 0; j < top_k; ++j) {
+      std::uniform_int_distribution<int> d(j, experts - 1);
+      std::swap(pick[j], pick[d(rng)]);
+      ++counts[pick[j]];
+    }
+  }
+  counts.resize(local);
+  return counts;
+}
+
+struct Device {
+  __nv_bfloat16 *x = nullptr, *w = nullptr, *y = nullptr;
+  int* offsets = nullptr;
+  Unit* units = nullptr;
+};
+
+float launch(const Problem& p, const Built& b, const Device& d, int sms, MedianTimer* timer) {
+  const int64_t total = b.offsets.back();
+  const CUtensorMap tma_w = tensor_map(d.w, int64_t(p.rows.size()) * p.n_out, p.k, kWRows);
+  const CUtensorMap tma_x64 = tensor_map(d.x, std::max<int64_t>(total, 1), p.k, 64);
+  const CUtensorMap tma_x16 = tensor_map(d.x, std::max<int64_t>(total, 1), p.k, 16);
+  constexpr int kSmemBytes = kRingBytes + 1024;
+  CHECK(cudaFuncSetAttribute(grouped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const GroupedArgs a{d.units, int(b.units.size()), p.k / 64, p.n_out, d.y};
+  const int grid = std::min<int>(sms, std::max<int>(1, b.units.size()));
+  auto run = [&](int) { grouped_kernel<<<grid, kThreads, kSmemBytes>>>(tma_w, tma_x64, tma_x16, a); };
+  run(0);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  return timer ? (*timer)(run, 10, 2) : 0.0f;
+}
+
+Device upload(const Problem& p, const Built& b) {
+  Device d;
+  const int64_t total = b.offsets.back(), w_rows = int64_t(p.rows.size()) * p.n_out;
+  CHECK(cudaMalloc(&d.x, std::max<int64_t>(total, 1) * p.k * 2));
+  CHECK(cudaMalloc(&d.w, w_rows * p.k * 2));
+  CHECK(cudaMalloc(&d.y, std::max<int64_t>(total, 1) * p.n_out * 2));
+  CHECK(cudaMalloc(&d.offsets, b.offsets.size() * sizeof(int)));
+  CHECK(cudaMalloc(&d.units, std::max<size_t>(b.units.size(), 1) * sizeof(Unit)));
+  fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(d.x), total * p.k, 11);
+  fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(d.w), w_rows * p.k, 12);
+  CHECK(cudaMemset(d.y, 0xff, std::max<int64_t>(total, 1) * p.n_out * 2));  // NaN where nothing is stored
+  CHECK(cudaMemcpy(d.offsets, b.offsets.data(), b.offsets.size() * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d.units, b.units.data(), b.units.size() * sizeof(Unit), cudaMemcpyHostToDevice));
+  return d;
+}
+
+void release(Device& d) {
+  CHECK(cudaFree(d.x));
+  CHECK(cudaFree(d.w));
+  CHECK(cudaFree(d.y));
+  CHECK(cudaFree(d.offsets));
+  CHECK(cudaFree(d.units));
+}
+
+// Largest |y - ref| / (|ref| + 1) over the samples (every output when `all`); exits on a failure.
+void check(const Problem& p, const Built& b, const Device& d, bool all) {
+  const int total = b.offsets.back();
+  std::vector<int2> samples;
+  if (all) {
+    for (int r = 0; r < total; ++r)
+      for (int c = 0; c < p.n_out; ++c) samples.push_back({r, c});
+  } else {
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int> col(0, p.n_out - 1), row(0, total - 1);
+    for (size_t e = 0; e + 1 < b.offsets.size(); ++e) {
+      if (b.offsets[e + 1] == b.offsets[e]) continue;
+      samples.push_back({b.offsets[e], col(rng)});
+      samples.push_back({b.offsets[e + 1] - 1, col(rng)});
+    }
+    for (int s = 0; s < 4096; ++s) samples.push_back({row(rng), col(rng)});
+  }
+  int2* d_samples = nullptr;
+  float* d_ref = nullptr;
+  CHECK(cudaMalloc(&d_samples, samples.size() * sizeof(int2)));
+  CHECK(cudaMalloc(&d_ref, samples.size() * sizeof(float)));
+  CHECK(cudaMemcpy(d_samples, samples.data(), samples.size() * sizeof(int2), cudaMemcpyHostToDevice));
+  const int n = int(samples.size());
+  reference_kernel<<<(n + 127) / 128, 128>>>(d.x, d.w, d.offsets, int(p.rows.size()), d_samples, n, p.k, p.n_out,
+                                             d_ref);
+  CHECK(cudaGetLastError());
+  std::vector<float> ref(n);
+  CHECK(cudaMemcpy(ref.data(), d_ref, n * sizeof(float), cudaMemcpyDeviceToHost));
+  std::vector<__nv_bfloat16> y(int64_t(total) * p.n_out);
+  CHECK(cudaMemcpy(y.data(), d.y, y.size() * 2, cudaMemcpyDeviceToHost));
+  double worst = 0.0;
+  for (int s = 0; s < n; ++s) {
+    const float got = __bfloat162float(y[int64_t(samples[s].x) * p.n_out + samples[s].y]);
+    const double err = std::fabs(double(got) - ref[s]) / (std::fabs(ref[s]) + 1.0);
+    if (!(err <= 1e-2)) {
+      std::printf("FAIL %s: y[%d, %d] = %g, want %g\n", p.name, samples[s].x, samples[s].y, got, ref[s]);
+      std::exit(1);
+    }
+    worst = std::max(worst, err);
+  }
+  std::printf("check %-22s %7d outputs ok (largest relative error %.2e)\n", p.name, n, worst);
+  CHECK(cudaFree(d_samples));
+  CHECK(cudaFree(d_ref));
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs\n", prop.name, sms);
+  {
+    const Problem small{"ragged small", {0, 1, 15, 17, 256, 257, 300, 0, 64}, 256, 512};
+    const Built b = build(small);
+    Device d = upload(small, b);
+    launch(small, b, d, sms, nullptr);
+    check(small, b, d, true);
+    release(d);
+  }
+  struct Shape {
+    const char* name;
+    int tokens, experts, top_k, local, n_out, k;
+  };
+  const Shape shapes[] = {
+      {"qwen3_235b T4096 gemm1", 4096, 128, 8, 128, 3072, 4096},
+      {"qwen3_235b T4096 gemm2", 4096, 128, 8, 128, 4096, 1536},
+      {"qwen3_30b T4096 gemm1", 4096, 128, 8, 128, 1536, 2048},
+      {"qwen3_30b T4096 gemm2", 4096, 128, 8, 128, 2048, 768},
+      {"kimi_ep8 T16384 gemm1", 16384, 384, 8, 48, 4096, 7168},
+      {"kimi_ep8 T16384 gemm2", 16384, 384, 8, 48, 7168, 2048},
+  };
+  MedianTimer timer;
+  std::printf("%-24s %8s %8s %8s %9s %9s %10s\n", "shape", "ms", "TFLOP/s", "dense", "rows+pad", "64-pad", "dense ms");
+  for (const Shape& s : shapes) {
+    const Problem p{s.name, route(s.tokens, s.experts, s.top_k, s.local, 1), s.n_out, s.k};
+    const Built b = build(p);
+    Device d = upload(p, b);
+    const float ms = launch(p, b, d, sms, &timer);
+    check(p, b, d, false);
+    const int64_t total = b.offsets.back();
+    // The same rows as one expert: full 256-token tiles (what the kernel does at a dense shape).
+    const Problem dense{"dense", {int(total)}, s.n_out, s.k};
+    const Built bd = build(dense);
+    Device dd = upload(dense, bd);
+    const float dense_ms = launch(dense, bd, dd, sms, &timer);
+    release(dd);
+    const double flops = 2.0 * double(total) * s.n_out * s.k;
+    std::printf("%-24s %8.3f %8.1f %8.1f %8.1f%% %8.1f%% %10.3f\n", s.name, ms, flops / ms / 1e9,
+                flops / dense_ms / 1e9, 100.0 * (b.mma_rows - total) / total, 100.0 * (b.rows64 - total) / total,
+                dense_ms);
+    release(d);
+  }
+  return 0;
+}

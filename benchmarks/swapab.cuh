@@ -64,20 +64,32 @@ __device__ __forceinline__ void load_a(uint32_t w_rows, uint32_t (&a)[16]) {
 template <int kN>
 struct Rs;
 template <>
+struct Rs<256> : gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
+template <>
 struct Rs<64> : gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
 template <>
 struct Rs<32> : gmma::MMA_64x32x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
 template <>
 struct Rs<16> : gmma::MMA_64x16x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
-using Ss256 = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+template <>
+struct Rs<8> : gmma::MMA_64x8x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
+template <int kN>
+struct Ss;
+template <>
+struct Ss<256> : gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K> {};
+template <>
+struct Ss<64> : gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K> {};
 
 template <int kWide, int kNarrow>
 constexpr int kAccFloats = (64 * kWide + 16 * kNarrow) / 2;
 
-template <size_t... I>
-__device__ __forceinline__ void ss256(uint64_t da, uint64_t db, float (&acc)[128], gmma::ScaleOut scale,
-                                      std::index_sequence<I...>) {
-  Ss256::fma(da, db, acc[I]..., scale);
+// One wgmma on accumulators [kOff, kOff + N / 2): A from shared memory (ss) or registers (rs). scale:
+// Zero for a tile's first k16 step, so that no other instruction ever writes the accumulators (which
+// would serialize the wgmma pipeline: ptxas's C7515), One after.
+template <class Op, int kOff, int kFloats, size_t... I>
+__device__ __forceinline__ void ss(uint64_t da, uint64_t db, float (&acc)[kFloats], gmma::ScaleOut scale,
+                                   std::index_sequence<I...>) {
+  Op::fma(da, db, acc[kOff + I]..., scale);
 }
 
 template <class Op, int kOff, int kFloats, size_t... I>
@@ -142,7 +154,7 @@ __device__ __forceinline__ void block_mma(const uint32_t (&a)[16], uint32_t w_ro
     const uint64_t k_off = uint64_t(kk * 32 >> 4);
     if constexpr (kSs) {
       static_assert(kWide == 4 && kNarrow == 0, "the ss variant is N = 256");
-      ss256(da + k_off, db + k_off, acc, scale, std::make_index_sequence<128>{});
+      ss<Ss<256>, 0>(da + k_off, db + k_off, acc, scale, std::make_index_sequence<128>{});
     } else if constexpr (kWide + kNarrow == 0) {
       rs_chunks32(a + 4 * kk, db + k_off, acc, scale, chunks);
     } else {

@@ -27,67 +27,17 @@
 // Prints TFLOP/s per variant (median of 20 runs).
 //   CUTE=$(python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")/source/include
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I$CUTE -o /tmp/wgmma_nsplit benchmarks/wgmma_nsplit.cu && /tmp/wgmma_nsplit
-#include <cute/arch/mma_sm90_desc.hpp>
-#include <cute/arch/mma_sm90_gmma.hpp>
+#include "swapab.cuh"
 
-#include <utility>
+using namespace swapab;
 
-#include "microbench.cuh"
-
-namespace gmma = cute::SM90::GMMA;
-
-constexpr int kThreads = 256;  // two warpgroups
-constexpr int kRowBytes = 128;  // 64 bf16 of K per row: one 128-byte swizzle row
+constexpr int kNsplitThreads = 256;  // two warpgroups, no producer
 constexpr int kABytes = 2 * 64 * kRowBytes;
 constexpr int kBBytes = 256 * kRowBytes;
-
-// K-major, 128-byte swizzle: 8-row groups of 1024 bytes; a k16 step is 32 bytes along the row.
-__device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_addr) {
-  cute::GmmaDescriptor desc;
-  desc.bitfield.start_address_ = static_cast<uint16_t>(smem_addr >> 4);
-  desc.bitfield.leading_byte_offset_ = 1;  // unused with swizzling
-  desc.bitfield.stride_byte_offset_ = 1024 >> 4;
-  desc.bitfield.base_offset_ = 0;
-  desc.bitfield.layout_type_ = 1;  // SWIZZLE_128B
-  return desc.desc_;
-}
 
 // Descriptor offsets in 16-byte units.
 __device__ __forceinline__ uint64_t k16_offset(int kk) { return uint64_t(kk * 32 >> 4); }
 __device__ __forceinline__ uint64_t row_offset(int rows) { return uint64_t(rows * kRowBytes >> 4); }
-
-// scale: Zero for the first k16 step (the accumulators are never written by other instructions,
-// which would serialize the wgmma pipeline: ptxas's C7515), One after.
-template <class Op, int kOff, size_t... I>
-__device__ __forceinline__ void rs_mma(const uint32_t* a, uint64_t db, float (&acc)[128], gmma::ScaleOut scale,
-                                       std::index_sequence<I...>) {
-  Op::fma(a[0], a[1], a[2], a[3], db, acc[kOff + I]..., scale);
-}
-
-template <class Op, int kOff, size_t... I>
-__device__ __forceinline__ void ss_mma(uint64_t da, uint64_t db, float (&acc)[128], gmma::ScaleOut scale,
-                                       std::index_sequence<I...>) {
-  Op::fma(da, db, acc[kOff + I]..., scale);
-}
-
-template <int kN>
-struct RsOp;
-template <>
-struct RsOp<256> : gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
-template <>
-struct RsOp<64> : gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
-template <>
-struct RsOp<32> : gmma::MMA_64x32x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
-template <>
-struct RsOp<16> : gmma::MMA_64x16x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
-template <>
-struct RsOp<8> : gmma::MMA_64x8x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K> {};
-template <int kN>
-struct SsOp;
-template <>
-struct SsOp<256> : gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K> {};
-template <>
-struct SsOp<64> : gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K> {};
 
 // Chunks [0, kChunks) of width kN from column kCol0 (kCol0 + kChunks * kN <= 256) for one k16 step.
 template <bool kRs, int kN, int kChunks, int kCol0 = 0, bool kRuntime = false, int kChunk = 0>
@@ -100,30 +50,12 @@ __device__ __forceinline__ void step_chunks(const uint32_t* a, uint64_t da, uint
     constexpr int kOff = (kCol0 + kChunk * kN) / 2;
     const uint64_t b = db + row_offset(kCol0 + kChunk * kN);
     if constexpr (kRs) {
-      rs_mma<RsOp<kN>, kOff>(a, b, acc, scale, std::make_index_sequence<kN / 2>{});
+      rs<Rs<kN>, kOff>(a, b, acc, scale, std::make_index_sequence<kN / 2>{});
     } else {
-      ss_mma<SsOp<kN>, kOff>(da, b, acc, scale, std::make_index_sequence<kN / 2>{});
+      ss<Ss<kN>, kOff>(da, b, acc, scale, std::make_index_sequence<kN / 2>{});
     }
     step_chunks<kRs, kN, kChunks, kCol0, kRuntime, kChunk + 1>(a, da, db, acc, scale, active);
   }
-}
-
-// This warp's A fragments for the 4 k16 steps of the block (values do not matter here; the
-// addresses stay inside the warpgroup's 64 rows).
-__device__ __forceinline__ void load_a(uint32_t a_base, uint32_t (&a)[16]) {
-  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-  const uint32_t row_addr = a_base + (warp * 16 + lane % 16) * kRowBytes + (lane / 16) * 16;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(a[4 * kk]), "=r"(a[4 * kk + 1]), "=r"(a[4 * kk + 2]), "=r"(a[4 * kk + 3])
-                 : "r"(row_addr + kk * 32));
-  }
-}
-
-__device__ __forceinline__ void fence_acc(float (&acc)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
 }
 
 // One K = 64 block's wgmmas, committed; the accumulators fenced on both sides (as CUTLASS's
@@ -146,11 +78,11 @@ __device__ __forceinline__ void block_mma(const uint32_t (&a)[16], uint64_t da, 
 }
 
 template <bool kRs, int kN, int kChunks, int kTailN, int kTailChunks, bool kRuntime>
-__global__ void __launch_bounds__(kThreads, 1) nsplit_kernel(int iters, int active, float* sink) {
+__global__ void __launch_bounds__(kNsplitThreads, 1) nsplit_kernel(int iters, int active, float* sink) {
   __shared__ __align__(1024) uint8_t smem[kABytes + kBBytes];
   // Values like real data's (the tensor cores' power, and so their clock, depends on them): small
   // bf16 from a hash, none zero.
-  for (int i = threadIdx.x; i < (kABytes + kBBytes) / 2; i += kThreads) {
+  for (int i = threadIdx.x; i < (kABytes + kBBytes) / 2; i += kNsplitThreads) {
     const uint32_t h = (i * 2654435761u + blockIdx.x) >> 16;
     reinterpret_cast<uint16_t*>(smem)[i] = static_cast<uint16_t>(0x3c00u | (h & 0x3ffu)) ^ (h & 0x8000u);
   }
@@ -163,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) nsplit_kernel(int iters, int acti
   float acc[128];  // written first by a ScaleOut::Zero wgmma
   uint32_t a0[16], a1[16];
   for (int it = 0; it < iters; it += 2) {
-    if constexpr (kRs) load_a(a_base, a0);
+    if constexpr (kRs) load_a(a_base, a0);  // swapab.cuh's: a 128-byte-swizzled tile
     block_mma<kRs, kN, kChunks, kTailN, kTailChunks, kRuntime>(a0, da, db, acc, it == 0, active);
     cute::warpgroup_wait<1>();  // the previous block's wgmmas (which read a1) are done
     if constexpr (kRs) load_a(a_base, a1);
@@ -182,10 +114,10 @@ __global__ void __launch_bounds__(kThreads, 1) nsplit_kernel(int iters, int acti
 template <bool kRs, int kN, int kChunks, int kTailN = 8, int kTailChunks = 0, bool kRuntime = false>
 void run(const char* name, int sms, int iters, float* sink, MedianTimer& timer, int active = 256) {
   auto kernel = nsplit_kernel<kRs, kN, kChunks, kTailN, kTailChunks, kRuntime>;
-  kernel<<<sms, kThreads>>>(2, active, sink);  // a fault shows here, not in the timing
+  kernel<<<sms, kNsplitThreads>>>(2, active, sink);  // a fault shows here, not in the timing
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
-  const float ms = timer([&](int) { kernel<<<sms, kThreads>>>(iters, active, sink); });
+  const float ms = timer([&](int) { kernel<<<sms, kNsplitThreads>>>(iters, active, sink); });
   CHECK(cudaGetLastError());
   // FLOPs issued: 2 warpgroups x 64 rows x the columns issued x K = 64 per iteration.
   const int cols = kN * std::min(kChunks, active) + kTailN * kTailChunks;

@@ -176,13 +176,14 @@ struct Ring {
 };
 
 // Carves the ring out of 1024-aligned dynamic shared memory and initializes its barriers (all
-// threads call it: a barrier inside).
-__device__ __forceinline__ Ring make_ring(uint8_t* smem_raw, uint64_t* barriers) {
+// threads call it: a barrier inside). full_arrivals: the producer arrivals a stage waits for (1: the
+// TMA thread; 2: and a warp whose cp.async copies the barrier tracks).
+__device__ __forceinline__ Ring make_ring(uint8_t* smem_raw, uint64_t* barriers, int full_arrivals = 1) {
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
   Ring ring{smem, smem + kStages * kWStage, barriers, barriers + kStages};
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      ClusterTransactionBarrier::init(&ring.full[s], 1);
+      ClusterTransactionBarrier::init(&ring.full[s], full_arrivals);
       ClusterBarrier::init(&ring.empty[s], 2);  // a thread of each consumer warpgroup
     }
     cutlass::arch::fence_barrier_init();
@@ -207,10 +208,11 @@ __device__ __forceinline__ void tma_load(const CUtensorMap& map, uint64_t* bar, 
 
 // Consumer warpgroup: one tile's `blocks` K blocks (blocks even), starting at block `i` of the CTA's
 // sequence; each stage released once its wgmmas are done. Returns with the accumulators final.
+// generic_x: B was written by cp.async (the generic proxy), so a proxy fence precedes the wgmmas.
 template <bool kSs, int kWide, int kNarrow>
 __device__ __forceinline__ void mma_tile(const Ring& ring, int i, int blocks, int cwg,
                                          float (&acc)[kAccFloats<kWide, kNarrow> ? kAccFloats<kWide, kNarrow> : 128],
-                                         int chunks = 0) {
+                                         int chunks = 0, bool generic_x = false) {
   const bool signals = threadIdx.x % 128 == 0;
   uint32_t a0[16], a1[16];
   for (int kb = 0; kb < blocks; kb += 2) {
@@ -218,6 +220,7 @@ __device__ __forceinline__ void mma_tile(const Ring& ring, int i, int blocks, in
     for (int h = 0; h < 2; ++h) {
       const int b = i + kb + h, s = b % kStages;
       ClusterBarrier::wait(&ring.full[s], (b / kStages) & 1);
+      if (generic_x) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       uint32_t(&a)[16] = h == 0 ? a0 : a1;
       const uint32_t w_rows = ring.w_addr(s) + cwg * 64 * kRowBytes;
       if constexpr (!kSs) load_a(w_rows, a);

@@ -3,12 +3,13 @@
 // steps of 32 rows instead of padding the expert to 64-row tiles. An expert's rows are split evenly
 // into tiles of <= 256 tokens (272 rows: 160 + 112); a tile is 128 weight rows x those tokens, issued
 // as 32-wide wgmma chunks to its last one, the count a run-time value (swapab.cuh, rs_chunks32).
-// Tokens are sorted by expert (GEMM2's layout: no gather), the epilogue stores bf16 directly (not
-// staged), tiles are a host-built list in expert order (the library would build it on the device):
-// this measures the mainloop's rate on the real ragged shapes, not a finished kernel.
+// GEMM2's rows come in expert order by TMA; GEMM1's are gathered from x through the routing by a
+// producer warp's cp.async (the layout the TMA writes; no SwiGLU here). The epilogue stores bf16
+// directly (not staged), tiles are a host-built list in expert order (the library would build it on the
+// device): this measures the mainloop's rate on the real ragged shapes, not a finished kernel.
 //
 // Checks first (every output of a small problem with empty, 1-, 15-, 17-, 64-, 256-, 257- and 300-row
-// experts; sampled outputs of each timed one, every expert's first and last row included, against
+// experts, with rows in order and gathered; sampled outputs of each timed one, every expert's first and last row included, against
 // float sums), then per shape: ms, useful TFLOP/s, the MMA rows issued over the rows (this tiling and
 // 64-row tiles), and the same kernel on the same rows as one expert (dense: full tiles) for scale.
 //   CUTE=$(python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")/source/include
@@ -33,13 +34,17 @@ struct GroupedArgs {
   int k_blocks;
   int n_out;
   __nv_bfloat16* y;
+  // GEMM1's gather: product row p reads x row src_rows[p] (x [*, k]); nullptr: x rows in product order (TMA).
+  const int* src_rows;
+  const __nv_bfloat16* x;
+  int k;
 };
 
 // One tile: its width in 32-wide chunks chosen at run time inside one mainloop (swapab.cuh, rs_chunks32).
 __device__ __forceinline__ void consume_unit(const Ring& ring, int i, int cwg, const Unit& u, const GroupedArgs& a) {
   constexpr int kN = kXRowsMax;
   float acc[kN / 2];
-  mma_tile<false, 0, 0>(ring, i, a.k_blocks, cwg, acc, (u.rows + 31) / 32);
+  mma_tile<false, 0, 0>(ring, i, a.k_blocks, cwg, acc, (u.rows + 31) / 32, a.src_rows != nullptr);
   // acc[4 g + {0, 1}]: weight row r (and r + 8 for {2, 3}), tokens 8 g + 2 (lane % 4) + {0, 1}.
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
   const int col = u.out_col + cwg * 64 + warp * 16 + lane / 4;
@@ -57,12 +62,43 @@ __device__ __forceinline__ void consume_unit(const Ring& ring, int i, int cwg, c
   }
 }
 
+// The gather warp: the tile's token rows by cp.async into the stage, in the layout the TMA writes
+// (128-byte rows, 16-byte piece c of row r at ((c ^ (r % 8)) * 16)), rows past the tile's zero-filled.
+// The stage's full barrier tracks the copies (each lane's cp.async.mbarrier.arrive), then lane 0 arrives.
+__device__ __forceinline__ void gather_unit(const Ring& ring, int i, const Unit& u, const GroupedArgs& a,
+                                            const __nv_bfloat16** row_src) {
+  const int lane = threadIdx.x % 32;
+  const int rows = (u.rows + 31) / 32 * 32;
+  __syncwarp();  // the last tile's copies are issued: its table may be rewritten
+  for (int r = lane; r < rows; r += 32) {
+    row_src[r] = r < u.rows ? a.x + int64_t(a.src_rows[u.x_row + r]) * a.k : nullptr;
+  }
+  __syncwarp();
+  for (int kb = 0; kb < a.k_blocks; ++kb, ++i) {
+    const int s = i % kStages;
+    ClusterBarrier::wait(&ring.empty[s], ((i / kStages) & 1) ^ 1);
+    const uint32_t stage = ring.x_addr(s);
+    for (int piece = lane; piece < rows * 8; piece += 32) {
+      const int r = piece / 8, c = piece % 8;
+      const __nv_bfloat16* src = row_src[r];
+      const uint32_t dst = stage + r * kRowBytes + ((c ^ (r % 8)) * 16);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst),
+                   "l"(src ? src + kb * 64 + c * 8 : a.x), "r"(src ? 16 : 0));
+    }
+    cutlass::arch::cpasync_barrier_arrive(&ring.full[s]);
+    __syncwarp();
+    if (lane == 0) ClusterBarrier::arrive(&ring.full[s]);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_kernel(const __grid_constant__ CUtensorMap tma_w, const __grid_constant__ CUtensorMap tma_x64,
                    const __grid_constant__ CUtensorMap tma_x16, GroupedArgs a) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t barriers[2 * kStages];
-  const Ring ring = make_ring(smem_raw, barriers);
+  __shared__ const __nv_bfloat16* row_src[kXRowsMax];  // the gather warp's table of the tile's x rows
+  const bool gather = a.src_rows != nullptr;
+  const Ring ring = make_ring(smem_raw, barriers, gather ? 2 : 1);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
@@ -73,8 +109,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int steps = (u.rows + 31) / 32 * 2, wide = steps / 4;  // 16-row boxes of the 32-row chunks
         for (int kb = 0; kb < a.k_blocks; ++kb, ++i) {
           const int s = i % kStages;
-          uint64_t* full = produce_stage(ring, i, kWStage + steps * 16 * kRowBytes);
+          uint64_t* full = produce_stage(ring, i, kWStage + (gather ? 0 : steps * 16 * kRowBytes));
           tma_load(tma_w, full, ring.w + s * kWStage, kb * 64, u.w_row);
+          if (gather) continue;  // warp 1 copies the token rows
           // The tile's token rows in boxes of 64, then 16 (rows past the expert's are loaded, not used).
           for (int j = 0; j < wide; ++j) {
             tma_load(tma_x64, full, ring.x + s * kXStage + j * 64 * kRowBytes, kb * 64, u.x_row + 64 * j);
@@ -83,6 +120,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load(tma_x16, full, ring.x + s * kXStage + j * kRowBytes, kb * 64, u.x_row + j);
           }
         }
+      }
+    } else if (gather && threadIdx.x / 32 == 1) {
+      int i = 0;
+      for (int n = blockIdx.x; n < a.num_units; n += gridDim.x, i += a.k_blocks) {
+        gather_unit(ring, i, a.units[n], a, row_src);
       }
     }
     return;
@@ -95,15 +137,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// y_ref at sampled (row, col): float sums of bf16 products; the expert of a row from the offsets.
-__global__ void reference_kernel(const __nv_bfloat16* x, const __nv_bfloat16* w, const int* offsets, int experts,
-                                 const int2* samples, int n, int k, int n_out, float* out) {
+// y_ref at sampled (row, col): float sums of bf16 products; the expert of a row from the offsets, its
+// x row through src_rows (GEMM1's gather) where there is one.
+__global__ void reference_kernel(const __nv_bfloat16* x, const int* src_rows, const __nv_bfloat16* w,
+                                 const int* offsets, int experts, const int2* samples, int n, int k, int n_out,
+                                 float* out) {
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
   if (s >= n) return;
   const int row = samples[s].x, col = samples[s].y;
   int e = 0;
   while (e + 1 < experts && offsets[e + 1] <= row) ++e;
-  const __nv_bfloat16* xr = x + int64_t(row) * k;
+  const __nv_bfloat16* xr = x + int64_t(src_rows ? src_rows[row] : row) * k;
   const __nv_bfloat16* wr = w + (int64_t(e) * n_out + col) * k;
   float sum = 0.0f;
   for (int j = 0; j < k; ++j) sum += __bfloat162float(xr[j]) * __bfloat162float(wr[j]);
@@ -114,6 +158,8 @@ struct Problem {
   const char* name;
   std::vector<int> rows;  // per expert
   int n_out, k;
+  std::vector<int> src_rows = {};  // GEMM1's gather: product row p reads x row src_rows[p] (empty: row p)
+  int x_rows = 0;                  // x's rows when gathering
 };
 
 struct Built {
@@ -148,25 +194,35 @@ Built build(const Problem& p) {
 }
 
 // k distinct experts of `experts` for each of `tokens` tokens (the bench's softmax top-k of normal
-// logits picks such a set); the counts of the first `local` experts.
-std::vector<int> route(int tokens, int experts, int top_k, int local, uint32_t seed) {
+// logits picks such a set): the first `local` experts' row counts and, in expert order, the token of
+// each of their rows (GEMM1's gather).
+struct Routed {
+  std::vector<int> counts, tokens;
+};
+Routed route(int tokens, int experts, int top_k, int local, uint32_t seed) {
   std::mt19937 rng(seed);
-  std::vector<int> counts(experts, 0), pick(experts);
+  std::vector<int> pick(experts);
+  std::vector<std::vector<int>> by_expert(local);
   for (int e = 0; e < experts; ++e) pick[e] = e;
   for (int t = 0; t < tokens; ++t) {
     for (int j = 0; j < top_k; ++j) {
       std::uniform_int_distribution<int> d(j, experts - 1);
       std::swap(pick[j], pick[d(rng)]);
-      ++counts[pick[j]];
+      if (pick[j] < local) by_expert[pick[j]].push_back(t);
     }
   }
-  counts.resize(local);
-  return counts;
+  Routed r;
+  for (const auto& rows : by_expert) {
+    r.counts.push_back(int(rows.size()));
+    r.tokens.insert(r.tokens.end(), rows.begin(), rows.end());
+  }
+  return r;
 }
 
 struct Device {
   __nv_bfloat16 *x = nullptr, *w = nullptr, *y = nullptr;
   int* offsets = nullptr;
+  int* src_rows = nullptr;
   Unit* units = nullptr;
 };
 
@@ -177,7 +233,7 @@ float launch(const Problem& p, const Built& b, const Device& d, int sms, MedianT
   const CUtensorMap tma_x16 = tensor_map(d.x, std::max<int64_t>(total, 1), p.k, 16);
   constexpr int kSmemBytes = kRingBytes + 1024;
   CHECK(cudaFuncSetAttribute(grouped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const GroupedArgs a{d.units, int(b.units.size()), p.k / 64, p.n_out, d.y};
+  const GroupedArgs a{d.units, int(b.units.size()), p.k / 64, p.n_out, d.y, d.src_rows, d.x, p.k};
   const int grid = std::min<int>(sms, std::max<int>(1, b.units.size()));
   auto run = [&](int) { grouped_kernel<<<grid, kThreads, kSmemBytes>>>(tma_w, tma_x64, tma_x16, a); };
   run(0);
@@ -189,12 +245,17 @@ float launch(const Problem& p, const Built& b, const Device& d, int sms, MedianT
 Device upload(const Problem& p, const Built& b) {
   Device d;
   const int64_t total = b.offsets.back(), w_rows = int64_t(p.rows.size()) * p.n_out;
-  CHECK(cudaMalloc(&d.x, std::max<int64_t>(total, 1) * p.k * 2));
+  const int64_t x_rows = std::max<int64_t>(p.src_rows.empty() ? total : p.x_rows, 1);
+  CHECK(cudaMalloc(&d.x, x_rows * p.k * 2));
+  if (!p.src_rows.empty()) {
+    CHECK(cudaMalloc(&d.src_rows, p.src_rows.size() * sizeof(int)));
+    CHECK(cudaMemcpy(d.src_rows, p.src_rows.data(), p.src_rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+  }
   CHECK(cudaMalloc(&d.w, w_rows * p.k * 2));
   CHECK(cudaMalloc(&d.y, std::max<int64_t>(total, 1) * p.n_out * 2));
   CHECK(cudaMalloc(&d.offsets, b.offsets.size() * sizeof(int)));
   CHECK(cudaMalloc(&d.units, std::max<size_t>(b.units.size(), 1) * sizeof(Unit)));
-  fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(d.x), total * p.k, 11);
+  fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(d.x), x_rows * p.k, 11);
   fill_kernel<<<1024, 256>>>(reinterpret_cast<uint16_t*>(d.w), w_rows * p.k, 12);
   CHECK(cudaMemset(d.y, 0xff, std::max<int64_t>(total, 1) * p.n_out * 2));  // NaN where nothing is stored
   CHECK(cudaMemcpy(d.offsets, b.offsets.data(), b.offsets.size() * sizeof(int), cudaMemcpyHostToDevice));
@@ -207,6 +268,7 @@ void release(Device& d) {
   CHECK(cudaFree(d.w));
   CHECK(cudaFree(d.y));
   CHECK(cudaFree(d.offsets));
+  CHECK(cudaFree(d.src_rows));
   CHECK(cudaFree(d.units));
 }
 
@@ -233,8 +295,8 @@ void check(const Problem& p, const Built& b, const Device& d, bool all) {
   CHECK(cudaMalloc(&d_ref, samples.size() * sizeof(float)));
   CHECK(cudaMemcpy(d_samples, samples.data(), samples.size() * sizeof(int2), cudaMemcpyHostToDevice));
   const int n = int(samples.size());
-  reference_kernel<<<(n + 127) / 128, 128>>>(d.x, d.w, d.offsets, int(p.rows.size()), d_samples, n, p.k, p.n_out,
-                                             d_ref);
+  reference_kernel<<<(n + 127) / 128, 128>>>(d.x, d.src_rows, d.w, d.offsets, int(p.rows.size()), d_samples, n,
+                                             p.k, p.n_out, d_ref);
   CHECK(cudaGetLastError());
   std::vector<float> ref(n);
   CHECK(cudaMemcpy(ref.data(), d_ref, n * sizeof(float), cudaMemcpyDeviceToHost));
@@ -261,8 +323,15 @@ int main() {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs\n", prop.name, sms);
-  {
-    const Problem small{"ragged small", {0, 1, 15, 17, 256, 257, 300, 0, 64}, 256, 512};
+  for (bool gather : {false, true}) {
+    Problem small{gather ? "ragged small, gather" : "ragged small", {0, 1, 15, 17, 256, 257, 300, 0, 64}, 256, 512};
+    if (gather) {  // each product row reads a random one of 333 x rows
+      std::mt19937 rng(3);
+      std::uniform_int_distribution<int> row(0, 332);
+      for (int r : small.rows)
+        for (int j = 0; j < r; ++j) small.src_rows.push_back(row(rng));
+      small.x_rows = 333;
+    }
     const Built b = build(small);
     Device d = upload(small, b);
     launch(small, b, d, sms, nullptr);
@@ -272,25 +341,28 @@ int main() {
   struct Shape {
     const char* name;
     int tokens, experts, top_k, local, n_out, k;
+    bool gather;  // GEMM1: token rows of x through the routing (no SwiGLU here); GEMM2: rows in order
   };
   const Shape shapes[] = {
-      {"qwen3_235b T4096 gemm1", 4096, 128, 8, 128, 3072, 4096},
-      {"qwen3_235b T4096 gemm2", 4096, 128, 8, 128, 4096, 1536},
-      {"qwen3_30b T4096 gemm1", 4096, 128, 8, 128, 1536, 2048},
-      {"qwen3_30b T4096 gemm2", 4096, 128, 8, 128, 2048, 768},
-      {"kimi_ep8 T16384 gemm1", 16384, 384, 8, 48, 4096, 7168},
-      {"kimi_ep8 T16384 gemm2", 16384, 384, 8, 48, 7168, 2048},
+      {"qwen3_235b T4096 gemm1", 4096, 128, 8, 128, 3072, 4096, true},
+      {"qwen3_235b T4096 gemm2", 4096, 128, 8, 128, 4096, 1536, false},
+      {"qwen3_30b T4096 gemm1", 4096, 128, 8, 128, 1536, 2048, true},
+      {"qwen3_30b T4096 gemm2", 4096, 128, 8, 128, 2048, 768, false},
+      {"kimi_ep8 T16384 gemm1", 16384, 384, 8, 48, 4096, 7168, true},
+      {"kimi_ep8 T16384 gemm2", 16384, 384, 8, 48, 7168, 2048, false},
   };
   MedianTimer timer;
   std::printf("%-24s %8s %8s %8s %9s %9s %10s\n", "shape", "ms", "TFLOP/s", "dense", "rows+pad", "64-pad", "dense ms");
   for (const Shape& s : shapes) {
-    const Problem p{s.name, route(s.tokens, s.experts, s.top_k, s.local, 1), s.n_out, s.k};
+    const Routed routed = route(s.tokens, s.experts, s.top_k, s.local, 1);
+    Problem p{s.name, routed.counts, s.n_out, s.k};
+    if (s.gather) p.src_rows = routed.tokens, p.x_rows = s.tokens;
     const Built b = build(p);
     Device d = upload(p, b);
     const float ms = launch(p, b, d, sms, &timer);
     check(p, b, d, false);
     const int64_t total = b.offsets.back();
-    // The same rows as one expert: full 256-token tiles (what the kernel does at a dense shape).
+    // The same rows as one expert, in order: full 256-token tiles (what the kernel does at a dense shape).
     const Problem dense{"dense", {int(total)}, s.n_out, s.k};
     const Built bd = build(dense);
     Device dd = upload(dense, bd);

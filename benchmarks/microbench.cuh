@@ -41,12 +41,13 @@ class MedianTimer {
     CHECK(cudaEventCreate(&start_));
     CHECK(cudaEventCreate(&end_));
   }
-  // Median ms of `reps` runs of run() after `warmup` untimed ones.
+  // Median ms of `reps` runs of run() after `warmup` untimed ones. flush_l2 false: no read before the
+  // runs, for cases whose operands are meant to stay in L2.
   template <class Run>
-  float operator()(Run&& run, int reps = 20, int warmup = 3) {
+  float operator()(Run&& run, int reps = 20, int warmup = 3, bool flush_l2 = true) {
     std::vector<float> ms;
     for (int rep = 0; rep < warmup + reps; ++rep) {
-      read_words_kernel<<<528, 512>>>(reinterpret_cast<const uint4*>(flush_), kFlushBytes / 16, sink_);
+      if (flush_l2) read_words_kernel<<<528, 512>>>(reinterpret_cast<const uint4*>(flush_), kFlushBytes / 16, sink_);
       CHECK(cudaEventRecord(start_));
       run(rep);
       CHECK(cudaEventRecord(end_));

@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <bool kSs, int kWide, int kNarrow>
-void run(const char* name, int sms, void* w, void* x, float* sink) {
+void run(const char* name, int sms, void* w, void* x, float* sink, MedianTimer& timer) {
   constexpr int kN = 64 * kWide + 16 * kNarrow;
   constexpr int kSmemBytes = kRingBytes + 1024;  // + alignment slack
   auto kernel = feed_kernel<kSs, kWide, kNarrow>;
@@ -74,21 +74,8 @@ void run(const char* name, int sms, void* w, void* x, float* sink) {
   CHECK(cudaDeviceSynchronize());
   // ~2-3 ms a run at full rate; no L2 flush between runs: the operands are meant to stay there.
   const int tiles = std::max(4, 40 * 256 / kN);
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 13; ++rep) {
-    CHECK(cudaEventRecord(t0));
-    kernel<<<sms, kThreads, kSmemBytes>>>(tma_w, tma_x, FeedArgs{tiles, sink});
-    CHECK(cudaEventRecord(t1));
-    CHECK(cudaEventSynchronize(t1));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, t0, t1));
-    if (rep >= 3) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  const float med = ms[ms.size() / 2];
+  const float med = timer([&](int) { kernel<<<sms, kThreads, kSmemBytes>>>(tma_w, tma_x, FeedArgs{tiles, sink}); },
+                          10, 3, /*flush_l2=*/false);
   const double flops = 2.0 * sms * tiles * double(kWRows) * kN * kK;
   const double bytes = double(sms) * tiles * (kK / 64) * (kWStage + kN * kRowBytes);
   std::printf("%-14s N %3d  %7.3f ms  %7.1f TFLOP/s  %7.1f GB/s from L2  (%.1f B/clk/SM at 1.755 GHz)\n", name, kN, med,
@@ -110,11 +97,12 @@ int main() {
   fill_kernel<<<512, 256>>>(static_cast<uint16_t*>(w), w_elems, 1);
   fill_kernel<<<512, 256>>>(static_cast<uint16_t*>(x), x_elems, 2);
   CHECK(cudaDeviceSynchronize());
-  run<true, 4, 0>("ss 256", sms, w, x, sink);
-  run<false, 4, 0>("rs 4x64", sms, w, x, sink);
-  run<false, 3, 0>("rs 3x64", sms, w, x, sink);
-  run<false, 2, 1>("rs 2x64+16", sms, w, x, sink);
-  run<false, 2, 0>("rs 2x64", sms, w, x, sink);
-  run<false, 1, 0>("rs 1x64", sms, w, x, sink);
+  MedianTimer timer;
+  run<true, 4, 0>("ss 256", sms, w, x, sink, timer);
+  run<false, 4, 0>("rs 4x64", sms, w, x, sink, timer);
+  run<false, 3, 0>("rs 3x64", sms, w, x, sink, timer);
+  run<false, 2, 1>("rs 2x64+16", sms, w, x, sink, timer);
+  run<false, 2, 0>("rs 2x64", sms, w, x, sink, timer);
+  run<false, 1, 0>("rs 1x64", sms, w, x, sink, timer);
   return 0;
 }

@@ -53,7 +53,7 @@ __device__ __forceinline__ void consume_unit(const Ring& ring, int i, int cwg, c
 #pragma unroll
     for (int d = 0; d < 2; ++d) {
       const int token = 8 * g + 2 * (lane % 4) + d;
-      if (8 * g < u.rows && token < u.rows) {
+      if (token < u.rows) {
         __nv_bfloat16* row = a.y + int64_t(u.x_row + token) * a.n_out;
         row[col] = __float2bfloat16(acc[4 * g + d]);
         row[col + 8] = __float2bfloat16(acc[4 * g + 2 + d]);

@@ -27,7 +27,7 @@ def main():
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
     t = args.tokens
-    make = model_gemms(args.model, *model_weights(args.model), t)[args.gemm]
+    make = model_gemms(args.model, *model_weights(args.model), t)[0][args.gemm]
     names = cake_ops._C.grouped_gemm_tactics("fwd")
     for name in args.tactics.split(","):
         if name not in names:

@@ -111,7 +111,9 @@ def model_gemms(name, w1, w2, t):
     def gemm2_finalize(tactic):
         return lambda: torch.ops.cake.moe_gemm2_finalize_out(act, w2, offsets, p2e, e2p, scales, out, True, tactic,
                                                              hint)
-    return {"gemm1": gemm1, "gemm2": gemm2, "gemm2 fused finalize": gemm2_finalize}
+    # The shard's routes (all t * k but on an EP shard): what the GEMMs multiply.
+    local_routes = int(offsets[-1])
+    return {"gemm1": gemm1, "gemm2": gemm2, "gemm2 fused finalize": gemm2_finalize}, local_routes
 
 
 def model_shapes(args, timer):
@@ -120,10 +122,11 @@ def model_shapes(args, timer):
         e, k, h, inter, _, _ = MODELS[name]
         w1, w2 = model_weights(name)
         for t in map(int, args.tokens.split(",")):
-            for label, make in model_gemms(name, w1, w2, t).items():
+            gemms, routes = model_gemms(name, w1, w2, t)
+            for label, make in gemms.items():
                 if args.gemms and label not in args.gemms:
                     continue
-                flops = 2 * t * k * inter * h * (2 if label == "gemm1" else 1)
+                flops = 2 * routes * inter * h * (2 if label == "gemm1" else 1)
                 sweep(timer, f"{name} bf16 T={t} {label}", tactics, make, flops, args.top, args.only)
 
 

@@ -16,6 +16,7 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I$CUTE -o /tmp/swapab_grouped benchmarks/swapab_grouped.cu && /tmp/swapab_grouped
 #include <cuda_bf16.h>
 
+#include <numeric>
 #include <random>
 
 #include "swapab.cuh"
@@ -40,33 +41,74 @@ struct GroupedArgs {
   int k;
 };
 
+// The staged epilogue's buffer a consumer warpgroup: kPassTokens tokens x its 64 output columns, rows
+// padded to 72 bf16 (144 bytes) so that the fragment writes (tokens 2 (lane % 4) + {0, 1} at once) fall
+// in different banks and each row's 16-byte pieces stay aligned.
+constexpr int kPassTokens = 64, kStageRow = 72;
+constexpr int kStagedBytes = 2 * kPassTokens * kStageRow * 2;
+
 // One tile: its width in 32-wide chunks chosen at run time inside one mainloop (swapab.cuh, rs_chunks32).
-__device__ __forceinline__ void consume_unit(const Ring& ring, int i, int cwg, const Unit& u, const GroupedArgs& a) {
+// kStaged: the outputs go through shared memory in passes of kPassTokens tokens and leave as 16-byte
+// row pieces; else each thread stores its bf16 values directly (2-byte stores, 8 per 16-byte row piece).
+template <bool kStaged>
+__device__ __forceinline__ void consume_unit(const Ring& ring, int i, int cwg, const Unit& u, const GroupedArgs& a,
+                                             __nv_bfloat16* staged) {
   constexpr int kN = kXRowsMax;
   float acc[kN / 2];
   mma_tile<false, 0, 0>(ring, i, a.k_blocks, cwg, acc, (u.rows + 31) / 32, a.src_rows != nullptr);
   // acc[4 g + {0, 1}]: weight row r (and r + 8 for {2, 3}), tokens 8 g + 2 (lane % 4) + {0, 1}.
   const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-  const int col = u.out_col + cwg * 64 + warp * 16 + lane / 4;
+  if constexpr (kStaged) {
+    const int r = warp * 16 + lane / 4, t = threadIdx.x % 128;
 #pragma unroll
-  for (int g = 0; g < kN / 8; ++g) {
+    for (int pass = 0; pass < kN / kPassTokens; ++pass) {
+      if (pass * kPassTokens < u.rows) {  // uniform in the warpgroup
 #pragma unroll
-    for (int d = 0; d < 2; ++d) {
-      const int token = 8 * g + 2 * (lane % 4) + d;
-      if (token < u.rows) {
-        __nv_bfloat16* row = a.y + int64_t(u.x_row + token) * a.n_out;
-        row[col] = __float2bfloat16(acc[4 * g + d]);
-        row[col + 8] = __float2bfloat16(acc[4 * g + 2 + d]);
+        for (int j = 0; j < kPassTokens / 8; ++j) {
+#pragma unroll
+          for (int d = 0; d < 2; ++d) {
+            const int g = pass * kPassTokens / 8 + j;
+            __nv_bfloat16* row = staged + (8 * j + 2 * (lane % 4) + d) * kStageRow;
+            row[r] = __float2bfloat16(acc[4 * g + d]);
+            row[r + 8] = __float2bfloat16(acc[4 * g + 2 + d]);
+          }
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + cwg) : "memory");
+#pragma unroll
+        for (int j = 0; j < kPassTokens * 8 / 128; ++j) {
+          const int piece = t + 128 * j, token = pass * kPassTokens + piece / 8;
+          if (token < u.rows) {
+            const uint4 v = *reinterpret_cast<const uint4*>(staged + (piece / 8) * kStageRow + piece % 8 * 8);
+            *reinterpret_cast<uint4*>(a.y + int64_t(u.x_row + token) * a.n_out + u.out_col + cwg * 64 + piece % 8 * 8) = v;
+          }
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + cwg) : "memory");
+      }
+    }
+  } else {
+    const int col = u.out_col + cwg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int g = 0; g < kN / 8; ++g) {
+#pragma unroll
+      for (int d = 0; d < 2; ++d) {
+        const int token = 8 * g + 2 * (lane % 4) + d;
+        if (token < u.rows) {
+          __nv_bfloat16* row = a.y + int64_t(u.x_row + token) * a.n_out;
+          row[col] = __float2bfloat16(acc[4 * g + d]);
+          row[col + 8] = __float2bfloat16(acc[4 * g + 2 + d]);
+        }
       }
     }
   }
 }
 
-// The gather warp: the tile's token rows by cp.async into the stage, in the layout the TMA writes
-// (128-byte rows, 16-byte piece c of row r at ((c ^ (r % 8)) * 16)), rows past the tile's zero-filled.
-// The stage's full barrier tracks the copies (each lane's cp.async.mbarrier.arrive), then lane 0 arrives.
+// The gather warps (kGatherWarps of them, warp gw taking every kGatherWarps-th 16-byte piece): the
+// tile's token rows by cp.async into the stage, in the layout the TMA writes (128-byte rows, 16-byte
+// piece c of row r at ((c ^ (r % 8)) * 16)), rows past the tile's zero-filled. The stage's full barrier
+// tracks each warp's copies (each lane's cp.async.mbarrier.arrive), then the warp's lane 0 arrives.
+constexpr int kGatherWarps = 3;
 __device__ __forceinline__ void gather_unit(const Ring& ring, int i, const Unit& u, const GroupedArgs& a,
-                                            const __nv_bfloat16** row_src) {
+                                            const __nv_bfloat16** row_src, int gw) {
   const int lane = threadIdx.x % 32;
   const int rows = (u.rows + 31) / 32 * 32;
   __syncwarp();  // the last tile's copies are issued: its table may be rewritten
@@ -78,7 +120,7 @@ __device__ __forceinline__ void gather_unit(const Ring& ring, int i, const Unit&
     const int s = i % kStages;
     ClusterBarrier::wait(&ring.empty[s], ((i / kStages) & 1) ^ 1);
     const uint32_t stage = ring.x_addr(s);
-    for (int piece = lane; piece < rows * 8; piece += 32) {
+    for (int piece = gw * 32 + lane; piece < rows * 8; piece += 32 * kGatherWarps) {
       const int r = piece / 8, c = piece % 8;
       const __nv_bfloat16* src = row_src[r];
       const uint32_t dst = stage + r * kRowBytes + ((c ^ (r % 8)) * 16);
@@ -91,14 +133,15 @@ __device__ __forceinline__ void gather_unit(const Ring& ring, int i, const Unit&
   }
 }
 
+template <bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_kernel(const __grid_constant__ CUtensorMap tma_w, const __grid_constant__ CUtensorMap tma_x64,
                    const __grid_constant__ CUtensorMap tma_x16, GroupedArgs a) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ uint64_t barriers[2 * kStages];
-  __shared__ const __nv_bfloat16* row_src[kXRowsMax];  // the gather warp's table of the tile's x rows
+  __shared__ const __nv_bfloat16* row_src[kGatherWarps][kXRowsMax];  // each gather warp's table of the tile's x rows
   const bool gather = a.src_rows != nullptr;
-  const Ring ring = make_ring(smem_raw, barriers, gather ? 2 : 1);
+  const Ring ring = make_ring(smem_raw, barriers, gather ? 1 + kGatherWarps : 1);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
@@ -111,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int s = i % kStages;
           uint64_t* full = produce_stage(ring, i, kWStage + (gather ? 0 : steps * 16 * kRowBytes));
           tma_load(tma_w, full, ring.w + s * kWStage, kb * 64, u.w_row);
-          if (gather) continue;  // warp 1 copies the token rows
+          if (gather) continue;  // warps 1.. copy the token rows
           // The tile's token rows in boxes of 64, then 16 (rows past the expert's are loaded, not used).
           for (int j = 0; j < wide; ++j) {
             tma_load(tma_x64, full, ring.x + s * kXStage + j * 64 * kRowBytes, kb * 64, u.x_row + 64 * j);
@@ -121,10 +164,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-    } else if (gather && threadIdx.x / 32 == 1) {
+    } else if (gather && threadIdx.x / 32 <= kGatherWarps) {
+      const int gw = threadIdx.x / 32 - 1;
       int i = 0;
       for (int n = blockIdx.x; n < a.num_units; n += gridDim.x, i += a.k_blocks) {
-        gather_unit(ring, i, a.units[n], a, row_src);
+        gather_unit(ring, i, a.units[n], a, row_src[gw], gw);
       }
     }
     return;
@@ -133,7 +177,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   int i = 0;
   for (int n = blockIdx.x; n < a.num_units; n += gridDim.x, i += a.k_blocks) {
     const Unit u = a.units[n];
-    consume_unit(ring, i, wg - 1, u, a);
+    consume_unit<kStaged>(ring, i, wg - 1, u, a,
+                          reinterpret_cast<__nv_bfloat16*>(ring.x + kStages * kXStage) + (wg - 1) * kPassTokens * kStageRow);
   }
 }
 
@@ -168,7 +213,12 @@ struct Built {
   int64_t mma_rows = 0, rows64 = 0;  // token rows the MMAs issue, this tiling / 64-row tiles
 };
 
-Built build(const Problem& p) {
+// How an expert's rows become token tiles: kEven splits them evenly into tiles of <= 256 rows rounded to
+// 32 (272 rows: 160 + 112); kFull takes full 256-row tiles and one remainder tile (272: 256 + 16, issued
+// as 32): fewer wide tiles, whose weights cost fewer L2 bytes per MMA (swapab_feed.cu's N = 256 row).
+enum class Split { kEven, kFull };
+
+Built build(const Problem& p, Split split) {
   Built b;
   b.offsets.push_back(0);
   for (int r : p.rows) b.offsets.push_back(b.offsets.back() + r);
@@ -176,16 +226,20 @@ Built build(const Problem& p) {
     const int rows = p.rows[e];
     if (rows == 0) continue;
     const int tiles = (rows + kXRowsMax - 1) / kXRowsMax;
-    const int base = ((rows + tiles - 1) / tiles + 31) / 32 * 32;  // even tiles, 32-row chunks
-    for (int m = 0; m < p.n_out; m += kWRows) {
-      for (int t = 0; t < tiles; ++t) {
-        const int first = t * base, n = std::min(base, rows - first);
-        if (n <= 0) {
-          std::printf("bad split: %d rows, %d tiles of %d\n", rows, tiles, base);
-          std::exit(1);
+    const int base = split == Split::kFull ? kXRowsMax : ((rows + tiles - 1) / tiles + 31) / 32 * 32;
+    // Weight tiles inner, in runs of 8 token tiles: a dense expert's token rows are reused from L2 by
+    // the weight tiles that run at the same time (its weights are read once a run).
+    for (int t0 = 0; t0 < tiles; t0 += 8) {
+      for (int m = 0; m < p.n_out; m += kWRows) {
+        for (int t = t0; t < std::min(tiles, t0 + 8); ++t) {
+          const int first = t * base, n = std::min(base, rows - first);
+          if (n <= 0) {
+            std::printf("bad split: %d rows, %d tiles of %d\n", rows, tiles, base);
+            std::exit(1);
+          }
+          b.units.push_back({b.offsets[e] + first, n, e * p.n_out + m, m});
+          if (m == 0) b.mma_rows += (n + 31) / 32 * 32;
         }
-        b.units.push_back({b.offsets[e] + first, n, e * p.n_out + m, m});
-        if (m == 0) b.mma_rows += (n + 31) / 32 * 32;
       }
     }
     b.rows64 += (rows + 63) / 64 * 64;
@@ -226,16 +280,17 @@ struct Device {
   Unit* units = nullptr;
 };
 
-float launch(const Problem& p, const Built& b, const Device& d, int sms, MedianTimer* timer) {
+float launch(const Problem& p, const Built& b, const Device& d, int sms, bool staged, MedianTimer* timer) {
   const int64_t total = b.offsets.back();
   const CUtensorMap tma_w = tensor_map(d.w, int64_t(p.rows.size()) * p.n_out, p.k, kWRows);
   const CUtensorMap tma_x64 = tensor_map(d.x, std::max<int64_t>(total, 1), p.k, 64);
   const CUtensorMap tma_x16 = tensor_map(d.x, std::max<int64_t>(total, 1), p.k, 16);
-  constexpr int kSmemBytes = kRingBytes + 1024;
-  CHECK(cudaFuncSetAttribute(grouped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const int smem_bytes = kRingBytes + 1024 + (staged ? kStagedBytes : 0);
+  auto kernel = staged ? grouped_kernel<true> : grouped_kernel<false>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const GroupedArgs a{d.units, int(b.units.size()), p.k / 64, p.n_out, d.y, d.src_rows, d.x, p.k};
   const int grid = std::min<int>(sms, std::max<int>(1, b.units.size()));
-  auto run = [&](int) { grouped_kernel<<<grid, kThreads, kSmemBytes>>>(tma_w, tma_x64, tma_x16, a); };
+  auto run = [&](int) { kernel<<<grid, kThreads, smem_bytes>>>(tma_w, tma_x64, tma_x16, a); };
   run(0);
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
@@ -332,47 +387,60 @@ int main() {
         for (int j = 0; j < r; ++j) small.src_rows.push_back(row(rng));
       small.x_rows = 333;
     }
-    const Built b = build(small);
-    Device d = upload(small, b);
-    launch(small, b, d, sms, nullptr);
-    check(small, b, d, true);
-    release(d);
+    for (Split split : {Split::kEven, Split::kFull}) {
+      for (bool staged : {false, true}) {
+        const Built b = build(small, split);
+        Device d = upload(small, b);
+        launch(small, b, d, sms, staged, nullptr);
+        check(small, b, d, true);
+        release(d);
+      }
+    }
   }
   struct Shape {
     const char* name;
     int tokens, experts, top_k, local, n_out, k;
-    bool gather;  // GEMM1: token rows of x through the routing (no SwiGLU here); GEMM2: rows in order
+    bool gather;  // token rows of x through the routing (GEMM1; no SwiGLU here), else rows in order by TMA
+                  // (GEMM2, and GEMM1 after a gather kernel as main runs it past 2I = 2048)
   };
   const Shape shapes[] = {
       {"qwen3_235b T4096 gemm1", 4096, 128, 8, 128, 3072, 4096, true},
+      {"qwen3_235b T4096 gemm1 tma", 4096, 128, 8, 128, 3072, 4096, false},
       {"qwen3_235b T4096 gemm2", 4096, 128, 8, 128, 4096, 1536, false},
       {"qwen3_30b T4096 gemm1", 4096, 128, 8, 128, 1536, 2048, true},
+      {"qwen3_30b T4096 gemm1 tma", 4096, 128, 8, 128, 1536, 2048, false},
       {"qwen3_30b T4096 gemm2", 4096, 128, 8, 128, 2048, 768, false},
       {"kimi_ep8 T16384 gemm1", 16384, 384, 8, 48, 4096, 7168, true},
       {"kimi_ep8 T16384 gemm2", 16384, 384, 8, 48, 7168, 2048, false},
   };
   MedianTimer timer;
-  std::printf("%-24s %8s %8s %8s %9s %9s %10s\n", "shape", "ms", "TFLOP/s", "dense", "rows+pad", "64-pad", "dense ms");
+  std::printf("%-27s %5s %6s %8s %8s %9s %9s | %8s %8s\n", "shape", "split", "store", "ms", "TFLOP/s", "rows+pad",
+              "64-pad", "dense ms", "TFLOP/s");
   for (const Shape& s : shapes) {
     const Routed routed = route(s.tokens, s.experts, s.top_k, s.local, 1);
     Problem p{s.name, routed.counts, s.n_out, s.k};
     if (s.gather) p.src_rows = routed.tokens, p.x_rows = s.tokens;
-    const Built b = build(p);
-    Device d = upload(p, b);
-    const float ms = launch(p, b, d, sms, &timer);
-    check(p, b, d, false);
-    const int64_t total = b.offsets.back();
-    // The same rows as one expert, in order: full 256-token tiles (what the kernel does at a dense shape).
-    const Problem dense{"dense", {int(total)}, s.n_out, s.k};
-    const Built bd = build(dense);
-    Device dd = upload(dense, bd);
-    const float dense_ms = launch(dense, bd, dd, sms, &timer);
-    release(dd);
+    const int64_t total = std::accumulate(p.rows.begin(), p.rows.end(), int64_t(0));
     const double flops = 2.0 * double(total) * s.n_out * s.k;
-    std::printf("%-24s %8.3f %8.1f %8.1f %8.1f%% %8.1f%% %10.3f\n", s.name, ms, flops / ms / 1e9,
-                flops / dense_ms / 1e9, 100.0 * (b.mma_rows - total) / total, 100.0 * (b.rows64 - total) / total,
-                dense_ms);
-    release(d);
+    for (bool staged : {false, true}) {
+      // The same rows as one expert, in order: full 256-token tiles (what the kernel does at a dense shape).
+      const Problem dense{"dense", {int(total)}, s.n_out, s.k};
+      const Built bd = build(dense, Split::kFull);
+      Device dd = upload(dense, bd);
+      const float dense_ms = launch(dense, bd, dd, sms, staged, &timer);
+      release(dd);
+      for (Split split : {Split::kEven, Split::kFull}) {
+        const Built b = build(p, split);
+        Device d = upload(p, b);
+        const float ms = launch(p, b, d, sms, staged, &timer);
+        check(p, b, d, false);
+        std::printf("%-27s %5s %6s %8.3f %8.1f %8.1f%% %8.1f%% | %8.3f %8.1f\n", s.name,
+                    split == Split::kEven ? "even" : "full", staged ? "staged" : "direct", ms, flops / ms / 1e9,
+                    100.0 * (b.mma_rows - total) / total, 100.0 * (b.rows64 - total) / total, dense_ms,
+                    flops / dense_ms / 1e9);
+        release(d);
+      }
+    }
   }
   return 0;
 }

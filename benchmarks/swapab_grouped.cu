@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-    } else if (gather && threadIdx.x / 32 <= kGatherWarps) {
+    } else if (gather && threadIdx.x >= 32 && threadIdx.x / 32 <= kGatherWarps) {
       const int gw = threadIdx.x / 32 - 1;
       int i = 0;
       for (int n = blockIdx.x; n < a.num_units; n += gridDim.x, i += a.k_blocks) {

@@ -111,7 +111,7 @@ def model_gemms(name, w1, w2, t):
     def gemm2_finalize(tactic):
         return lambda: torch.ops.cake.moe_gemm2_finalize_out(act, w2, offsets, p2e, e2p, scales, out, True, tactic,
                                                              hint)
-    # The shard's routes (all t * k but on an EP shard): what the GEMMs multiply.
+    # Routes to this shard's experts (t * k unless it is an EP shard): the rows the GEMMs multiply.
     local_routes = int(offsets[-1])
     return {"gemm1": gemm1, "gemm2": gemm2, "gemm2 fused finalize": gemm2_finalize}, local_routes
 
@@ -119,7 +119,7 @@ def model_gemms(name, w1, w2, t):
 def model_shapes(args, timer):
     tactics = cake_ops._C.grouped_gemm_tactics("fwd")
     for name in filter(None, args.models.split(",")):
-        e, k, h, inter, _, _ = MODELS[name]
+        _, _, h, inter, _, _ = MODELS[name]
         w1, w2 = model_weights(name)
         for t in map(int, args.tokens.split(",")):
             gemms, routes = model_gemms(name, w1, w2, t)

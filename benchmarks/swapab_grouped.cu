@@ -1,17 +1,19 @@
-// Diagnostic prototype (not part of the library; benchmarks/NOTES.md, session 45): a swap-AB grouped
-// GEMM, y[rows of expert e] = x[rows of e] @ w[e]^T, whose tiles end at each expert's last token in
-// steps of 32 rows instead of padding the expert to 64-row tiles. An expert's rows are split evenly
-// into tiles of <= 256 tokens (272 rows: 160 + 112); a tile is 128 weight rows x those tokens, issued
-// as 32-wide wgmma chunks to its last one, the count a run-time value (swapab.cuh, rs_chunks32).
-// GEMM2's rows come in expert order by TMA; GEMM1's are gathered from x through the routing by a
-// producer warp's cp.async (the layout the TMA writes; no SwiGLU here). The epilogue stores bf16
-// directly (not staged), tiles are a host-built list in expert order (the library would build it on the
-// device): this measures the mainloop's rate on the real ragged shapes, not a finished kernel.
+// Diagnostic prototype (not part of the library; benchmarks/NOTES.md, sessions 45-46, where it closed the
+// swap-AB direction): a swap-AB grouped GEMM, y[rows of expert e] = x[rows of e] @ w[e]^T, whose tiles end
+// at each expert's last token in steps of 32 rows instead of padding the expert to 64-row tiles. An
+// expert's rows become tiles of <= 256 tokens, split evenly (272 rows: 160 + 112) or as full tiles and a
+// remainder (256 + 16); a tile is 128 weight rows x those tokens, issued as 32-wide wgmma chunks to its
+// last one, the count a run-time value (swapab.cuh, rs_chunks32). Token rows come in expert order by TMA
+// (GEMM2, and GEMM1 after a gather kernel) or are gathered from x through the routing by three producer
+// warps' cp.async (the layout the TMA writes; no SwiGLU here). The epilogue stores bf16 directly or
+// through shared memory in 64-token passes; tiles are a host-built list in expert order (the library would
+// build it on the device): this measures the mainloop's rate on the real ragged shapes, not a finished kernel.
 //
 // Checks first (every output of a small problem with empty, 1-, 15-, 17-, 64-, 256-, 257- and 300-row
-// experts, with rows in order and gathered; sampled outputs of each timed one, every expert's first and last row included, against
-// float sums), then per shape: ms, useful TFLOP/s, the MMA rows issued over the rows (this tiling and
-// 64-row tiles), and the same kernel on the same rows as one expert (dense: full tiles) for scale.
+// experts, with rows in order and gathered, in every form; sampled outputs of each timed one, every
+// expert's first and last row included, against float sums), then per shape and form: ms, useful TFLOP/s,
+// the MMA rows issued over the rows (this tiling and 64-row tiles), and the same kernel on the same rows
+// as one expert (dense: full tiles, token tiles reused from L2) for scale.
 //   CUTE=$(python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")/source/include
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I$CUTE -o /tmp/swapab_grouped benchmarks/swapab_grouped.cu && /tmp/swapab_grouped
 #include <cuda_bf16.h>

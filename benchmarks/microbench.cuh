@@ -1,5 +1,5 @@
-// Shared by the standalone diagnostic microbenchmarks (stream_pattern.cu, gather_order.cu): error
-// checks and the timing, the same as the Python benchmarks' Timer (median after warm-up, each run
+// Shared by the standalone diagnostic microbenchmarks (stream_pattern.cu, gather_order.cu, the swap-AB ones):
+// error checks, the device line and the timing, the same as the Python benchmarks' Timer (median after warm-up, each run
 // after a 256 MB read that leaves nothing of the case in L2).
 #pragma once
 
@@ -31,6 +31,14 @@ __device__ __forceinline__ void read_words(const uint4* w, int64_t n, uint32_t* 
 }
 
 __global__ void read_words_kernel(const uint4* w, int64_t n, uint32_t* sink) { read_words(w, n, sink); }
+
+// Prints device 0's name and SM count, then `setup` (the case's own line); returns the SM count.
+inline int print_device(const char* setup = "") {
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs%s\n", prop.name, prop.multiProcessorCount, setup);
+  return prop.multiProcessorCount;
+}
 
 class MedianTimer {
  public:

@@ -3,7 +3,7 @@
 // by TMA from L2 as a GEMM's mainloop feeds them, does a tile of 128 weight rows x N tokens keep the
 // tensor rate when N is an expert's row count split evenly (N ~ 136 for 272 rows) rather than 256?
 // A narrow tile reads the same 16 KB of weights per K block for fewer FLOPs: at N = 144, 16 + 18 KB
-// per ~570 tensor clocks, near the ~64 B a clock an SM takes from L2.
+// per ~570 tensor clocks, near the ~64 B a clock an SM takes from L2 (measured: ~40; NOTES session 46).
 //
 // One CTA per SM: a producer warp (TMA, 4 stages of W 128 x 64 and X N x 64 bf16, 128-byte
 // swizzle) and two consumer warpgroups (64 weight rows each; A = W from shared memory through
@@ -15,6 +15,8 @@
 // Shares its pieces with swapab_grouped.cu (swapab.cuh).
 //   CUTE=$(python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")/source/include
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I$CUTE -o /tmp/swapab_feed benchmarks/swapab_feed.cu && /tmp/swapab_feed
+#include <string>
+
 #include "swapab.cuh"
 
 using namespace swapab;
@@ -83,11 +85,8 @@ void run(const char* name, int sms, void* w, void* x, float* sink, MedianTimer& 
 }
 
 int main() {
-  int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s, %d SMs; tile 128 weight rows x N tokens, K = %d, operands in L2\n", prop.name, sms, kK);
+  const int sms =
+      print_device(("; tile 128 weight rows x N tokens, K = " + std::to_string(kK) + ", operands in L2").c_str());
   void *w = nullptr, *x = nullptr;
   float* sink = nullptr;
   const int64_t w_elems = int64_t(kWTiles) * kWRows * kK, x_elems = int64_t(kXTiles) * kXRowsMax * kK;

@@ -375,11 +375,7 @@ void check(const Problem& p, const Built& b, const Device& d, bool all) {
 }
 
 int main() {
-  int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s, %d SMs\n", prop.name, sms);
+  const int sms = print_device();
   for (bool gather : {false, true}) {
     Problem small{gather ? "ragged small, gather" : "ragged small", {0, 1, 15, 17, 256, 257, 300, 0, 64}, 256, 512};
     if (gather) {  // each product row reads a random one of 333 x rows

@@ -126,11 +126,7 @@ void run(const char* name, int sms, int iters, float* sink, MedianTimer& timer, 
 }
 
 int main() {
-  int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s, %d SMs, one CTA of 2 warpgroups per SM\n", prop.name, sms);
+  const int sms = print_device(", one CTA of 2 warpgroups per SM");
   float* sink = nullptr;
   CHECK(cudaMalloc(&sink, 4));
   MedianTimer timer;

@@ -9,18 +9,17 @@
 # B = main + patches/layer-tail-split/0001 (session 44). ~4 min on an H200.
 source tools/device_env.sh >/dev/null 2>&1
 CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader)
+[[ $CARD == *H200* ]] || { echo "not an H200 ($CARD): nothing run (the H100 rows are in results/*_h100_s47.txt)"; exit 0; }
 FUSED="python3 benchmarks/bench_fused_moe.py --models qwen3_235b,mixtral_8x7b,qwen3_30b,kimi_k2_ep8 --tokens 1 --no-compiled"
 STEP="python3 benchmarks/bench_stepfun_moe.py --shapes issue_geometry,step35_flash --tokens 1"
-{ echo "# session 47, device call 3 ($CARD): modules A (main at f5742af), B (+ layer-tail-split 0001; H200 only), C (layer-row-b), C2 (C + .whl/C2.diff), graph replays"
+{ echo "# patches/layer-row-b/measure_layer_row_b.sh ($CARD): modules A (main), B (+ layer-tail-split 0001), C (+ layer-row-b 0001), C2 (C + 0002), graph replays"
   echo "# $STEP; $FUSED"
-  if [[ $CARD == *H200* ]]; then
-    for round in 1 2; do for m in A B C C2; do
-      cake_use_module $m; echo "== stepfun round $round $m ($(el) s)"
-      run_by 200 20 $STEP 2>&1 | grep -v "^WARNING"
-    done; done
-  fi
-  for m in A C C2 A C2; do
+  for round in 1 2; do for m in A B C C2; do
+    cake_use_module $m; echo "== stepfun round $round $m ($(el) s)"
+    run_by 200 20 $STEP 2>&1 | grep -v "^WARNING"
+  done; done
+  for m in A C C2 A C C2; do
     cake_use_module $m; echo "== fused_moe $m ($(el) s)"
-    run_by 320 25 $FUSED 2>&1 | grep -v "^WARNING"
+    run_by 340 25 $FUSED 2>&1 | grep -v "^WARNING"
   done; } 2>&1 | tee $OUT/ab_layer.txt
 echo "done at $(el) s"

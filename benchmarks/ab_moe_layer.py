@@ -6,7 +6,7 @@ layer off (fused_moe.LAYER_MAX_TOKENS = LAYER_MAX_SHARD_ROUTES = 0: sort, GEMM1,
 both finalize paths).
 StepFun families: the layer plan against the staged default plan (routing included in both), and
 the fp8 / bf16 ratio each way (issue 5's T <= 64 target). x floor: over the weight bytes of the
-experts touched / 4.8 TB/s.
+experts touched / the card's read bandwidth (bench_grouped_gemm.HBM_TBPS: the H200's 4.8 TB/s).
 
     python benchmarks/ab_moe_layer.py [--models ...] [--tokens 1,2,4,8] [--shapes ...] [--stepfun-tokens 1]
 """

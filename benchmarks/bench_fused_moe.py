@@ -7,7 +7,7 @@
 Per (model, T): cake with the fused and the deterministic finalize, eager and as CUDA-graph
 replays; the plain PyTorch pipeline (stable sort, torch._grouped_mm for both GEMMs, SwiGLU,
 index_add combine; no host sync) eager and under torch.compile; and two floors: the weight bytes
-of the experts the routing touches / 4.8 TB/s, and the FLOPs / the rate of the dense torch.mm
+of the experts the routing touches / the card's read bandwidth (`HBM_TBPS`: the H200's 4.8 TB/s), and the FLOPs / the rate of the dense torch.mm
 products of the same size (the model's widths, as many rows as kept routes, at least DENSE_MIN_ROWS),
 measured in the same run. Timings are medians over rotations (every peer once per round, graph replays of
 one captured call among the eager calls) after an L2 flush.
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import cake_ops
 from cake_ops.fused_moe import fused_moe_bf16, interleave_up_gate_sm90
-from bench_grouped_gemm import HBM_TBPS, Timer, fmt, geomean, seed_case
+from bench_grouped_gemm import HBM_TBPS, Timer, floor_note, fmt, geomean, seed_case
 
 # (E total, top_k, hidden, intermediate, E local, local expert offset)
 MODELS = {
@@ -212,7 +212,7 @@ def write_results(path, device, summary, rows, reps, sources=None):
     """sources: the meta of the runs whose rows these are (--from-json), kept instead of this process's."""
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
             "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": reps}
+            "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": reps, "hbm_tbps": HBM_TBPS}
     result = {"meta": {"merged_from": sources} if sources else meta, "summary": summary, "rows": rows}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -244,6 +244,8 @@ def main():
                         "compiles take a call each): print, summarize and plot their rows instead of measuring")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
+    if not args.from_json:
+        print(floor_note())
     print(HEADER)
     sources = None  # the merged runs' meta
     if args.from_json:

@@ -13,7 +13,7 @@ within 1.1x" target; for fp8 (weights quantized per expert, dynamic per-tensor a
 issue's fp8 rows) and fp8-static (the same weights with static activation scales calibrated on the
 batch, amax / 448 of the hidden states and of fc1's output, as a deployment with calibrated scales runs
 it), the ratio to the bf16 family's graph replay of the same run; and the weight floor (bytes of the
-experts touched, at the family's width, / 4.8 TB/s) and the FLOP floor (the rate of dense bf16
+experts touched, at the family's width, / the card's read bandwidth, the H200's 4.8 TB/s) and the FLOP floor (the rate of dense bf16
 torch.mm products of the same size, measured in the same run, as bench_fused_moe.py's). Families
 this build does not run yet print their error.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import cake_ops
 from bench_fused_moe import dense_rate_for, load_runs, plot_panels, summarize, write_results
-from bench_grouped_gemm import HBM_TBPS, Timer, fmt, seed_case
+from bench_grouped_gemm import HBM_TBPS, Timer, floor_note, fmt, seed_case
 from cake_ops import stepfun_moe as sm
 from cake_ops.fused_moe import fused_moe_bf16
 
@@ -174,6 +174,8 @@ def main():
                         "print, summarize and plot their rows instead of measuring")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
+    if not args.from_json:
+        print(floor_note())
     print(HEADER)
     sources = None  # the merged runs' meta
     if args.from_json:

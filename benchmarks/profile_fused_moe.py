@@ -1,6 +1,7 @@
 """Where the time of one fused_moe_bf16 call goes: per-kernel GPU times under CUDA-graph replay
 (torch.profiler), the end-to-end replay time and the weight floor (bytes of the experts touched /
-4.8 TB/s). A diagnostic next to bench_fused_moe.py, which holds the issue's comparison.
+the card's read bandwidth, bench_grouped_gemm.HBM_TBPS). A diagnostic next to bench_fused_moe.py,
+which holds the issue's comparison.
 
     python benchmarks/profile_fused_moe.py --models qwen3_30b,mixtral_8x7b --tokens 1,256,4096
 """
@@ -12,6 +13,7 @@ import torch
 
 import cake_ops
 from bench_fused_moe import MODELS
+from bench_grouped_gemm import HBM_TBPS
 from cake_ops.fused_moe import fused_moe_bf16
 from kernel_times import graph_events
 
@@ -88,7 +90,7 @@ def main():
                 x, ids, scales, w1, w2, e, k, e_local, offset, moe_output=out,
                 use_fused_finalize=not args.deterministic, enable_pdl=args.pdl), args.iters)
             local = ids[(ids >= offset) & (ids < offset + e_local)]
-            floor_us = max(local.unique().numel() * 3 * h * i * 2 / 4.8e12 * 1e6, 1e-9)
+            floor_us = max(local.unique().numel() * 3 * h * i * 2 / (HBM_TBPS * 1e12) * 1e6, 1e-9)
             tflops = 2 * local.numel() * 3 * h * i / us / 1e6
             print_profile(f"{name} T={t}", us, floor_us, tflops, kernels)
 

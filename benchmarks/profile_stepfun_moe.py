@@ -1,6 +1,6 @@
 """Where the time of one stepfun_moe forward goes, per family: per-kernel GPU times under CUDA-graph
 replay (torch.profiler) in launch order, the replay time and the weight floor (bytes of the experts
-touched, at the family's width, / 4.8 TB/s). A diagnostic next to bench_stepfun_moe.py.
+touched, at the family's width, / the card's read bandwidth). A diagnostic next to bench_stepfun_moe.py.
 
     python benchmarks/profile_stepfun_moe.py --shapes issue_geometry --families bf16,fp8 --tokens 8,2048
 
@@ -14,6 +14,7 @@ import warnings
 import torch
 
 import cake_ops
+from bench_grouped_gemm import HBM_TBPS
 from bench_stepfun_moe import AMPLITUDE, LIMIT, SHAPES, random_weights, static_scales
 from cake_ops import stepfun_moe as sm
 from profile_fused_moe import kernels_in_order, print_profile
@@ -43,7 +44,7 @@ def main():
                 launch = sm.prepare_stepfun_moe(x, view, logits, top_k=k)
                 kernels, us = kernels_in_order(launch.launch, args.iters)
                 touched = torch.topk(logits, k, dim=-1).indices.unique().numel()
-                floor_us = touched * 3 * h * inter * weights.w1.element_size() / 4.8e12 * 1e6
+                floor_us = touched * 3 * h * inter * weights.w1.element_size() / (HBM_TBPS * 1e12) * 1e6
                 tflops = 2 * t * k * 3 * h * inter / us / 1e6
                 print_profile(f"{name} {family} T={t}", us, floor_us, tflops, kernels)
 

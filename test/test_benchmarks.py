@@ -76,6 +76,21 @@ def test_stepfun_bench_merges_runs(tmp_path):
     assert sum(line.split()[1:2] in (["bf16"], ["fp8"]) for line in table.splitlines()) == len(rows)
 
 
+def test_weight_floor_is_the_cards_read_bandwidth(monkeypatch):
+    """The weight floors divide by the card's datasheet read bandwidth: the H200's 4.8 TB/s (the issues'
+    targets), an H100 SXM's 3.35, a PCIe H100's 2.0; a card not listed gets the H200's; CAKE_HBM_TBPS wins."""
+    hbm_tbps = bench_module("bench_grouped_gemm").hbm_tbps
+    monkeypatch.delenv("CAKE_HBM_TBPS", raising=False)
+    assert hbm_tbps("NVIDIA H200") == 4.8
+    assert hbm_tbps("NVIDIA H100 80GB HBM3") == 3.35
+    assert hbm_tbps("NVIDIA H100 PCIe") == 2.0
+    assert hbm_tbps("NVIDIA H100 NVL") == 3.9
+    assert hbm_tbps("NVIDIA GH200 480GB") == 4.0
+    assert hbm_tbps("cpu") == 4.8
+    monkeypatch.setenv("CAKE_HBM_TBPS", "8.0")
+    assert hbm_tbps("NVIDIA H200") == 8.0
+
+
 def test_graph_pdl_probe_imports():
     """graph_pdl_stepfun.py times CUDA graphs only; here its imports and options are checked (--help)."""
     usage = run_bench("graph_pdl_stepfun.py", "--help")

@@ -260,18 +260,24 @@ PyObject* set_grouped_gemm_tactic(PyObject*, PyObject* args) {
 
 // The tactic a launch of this problem would run now (override, tuned or heuristic); expected_rows:
 // the MoE GEMMs' expected_routes hint (-1: sum_m); epilogue: "none", or the twin that will run the
-// tactic ("swiglu": MoE GEMM1, "scatter": MoE GEMM2 with the fused finalize).
+// tactic ("swiglu": MoE GEMM1, "scatter": MoE GEMM2 with the fused finalize); dram_tbps: the device's
+// DRAM bandwidth the heuristic assumes (0: this device's; without a GPU the H200's 4.8).
 PyObject* grouped_gemm_tactic_for(PyObject*, PyObject* args) {
   const char* family = nullptr;
   const char* epilogue = "none";
   long long e = 0, sum_m = 0, n = 0, k = 0, expected_rows = -1;
-  if (!PyArg_ParseTuple(args, "sLLLL|Ls", &family, &e, &sum_m, &n, &k, &expected_rows, &epilogue)) return nullptr;
+  double dram_tbps = 0;
+  if (!PyArg_ParseTuple(args, "sLLLL|Lsd", &family, &e, &sum_m, &n, &k, &expected_rows, &epilogue, &dram_tbps)) {
+    return nullptr;
+  }
   try {
     cake::EpilogueTwin twin;
     TORCH_CHECK(epilogue_twin_named(epilogue, &twin),
                 "grouped_gemm_tactic_for: epilogue must be ", kEpilogueTwinNames, ", got '", epilogue, "'");
     cake::GroupedGemmShape s{e, sum_m, n, k, false, expected_rows};
-    return PyLong_FromLong(cake::choose_tactic_sm90(cake::tactic_family(family), s, twin));
+    TORCH_CHECK(dram_tbps >= 0, "grouped_gemm_tactic_for: dram_tbps must be >= 0 (0: this device's), got ",
+                dram_tbps);
+    return PyLong_FromLong(cake::choose_tactic_sm90(cake::tactic_family(family), s, twin, dram_tbps * 1e12));
   } catch (const c10::Error& err) {
     PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
     return nullptr;
@@ -370,8 +376,8 @@ PyMethodDef methods[] = {
     {"set_grouped_gemm_tactic", set_grouped_gemm_tactic, METH_VARARGS,
      "set_grouped_gemm_tactic(family, index): force a configuration; -1 restores the heuristic."},
     {"grouped_gemm_tactic_for", grouped_gemm_tactic_for, METH_VARARGS,
-     "grouped_gemm_tactic_for(family, E, sum_m, N, K, expected_rows=-1, epilogue='none'): the tactic such a "
-     "launch runs now."},
+     "grouped_gemm_tactic_for(family, E, sum_m, N, K, expected_rows=-1, epilogue='none', dram_tbps=0): the tactic "
+     "such a launch runs now (dram_tbps: the DRAM bandwidth assumed; 0: this device's)."},
     {"set_grouped_gemm_tuned_tactic", set_grouped_gemm_tuned_tactic, METH_VARARGS,
      "set_grouped_gemm_tuned_tactic(family, E, sum_m, N, K, tactic, epilogue='none'): keep a tuned choice."},
     {"clear_grouped_gemm_tuned_tactics", clear_grouped_gemm_tuned_tactics, METH_NOARGS,

@@ -366,6 +366,9 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
         cake_ops.clear_tuning()
 
 
+H200_DRAM_TBPS = 4.8  # the heuristic's rules were measured on the H200
+
+
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
 @pytest.mark.parametrize("family,e,sum_m,n,k,expected", [
     ("fwd", 128, 128, 1536, 2048, "fwd_bf16_swapab_coop_128x32x128_c1x1"),       # decode
@@ -402,8 +405,22 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
     ("wgrad_f32", 128, 128, 1536, 2048, "wgrad_f32_fixed_coop_128x256x64_c2x1"),   # decode
 ])
 def test_heuristic_choices(family, e, sum_m, n, k, expected):
+    """The rules as measured on the H200 (its DRAM bandwidth given, whatever GPU runs the test)."""
     names = cake_ops._C.grouped_gemm_tactics(family)
-    assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k)] == expected
+    assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, "none", H200_DRAM_TBPS)] == expected
+
+
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
+def test_weight_in_l2_rule_needs_the_h200s_dram():
+    """The E=4 "down" shape's weight fits in L2, but the 128x128 rasterN tile's re-reads of it mostly miss:
+    with an H100's 3.35 TB/s it ran at 0.75-0.78x torch._grouped_mm, so there the large-groups tile runs."""
+    names = cake_ops._C.grouped_gemm_tactics("fwd")
+    shape = ("fwd", 4, 112576, 6144, 2048, -1, "none")
+    tactic_for = cake_ops._C.grouped_gemm_tactic_for
+    assert names[tactic_for(*shape, H200_DRAM_TBPS)] == "fwd_bf16_ping_128x128x64_c1x1_rasterN"
+    assert names[tactic_for(*shape, 3.35)] == "fwd_bf16_fixed_coop_128x256x64_c1x2"
+    with pytest.raises(ValueError, match=r"grouped_gemm_tactic_for: dram_tbps must be >= 0 .*got -1"):
+        tactic_for(*shape, -1.0)
 
 
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
@@ -461,7 +478,7 @@ def test_heuristic_small_groups(family, e, sum_m, n, k, expected, epilogue):
     64-row ones to (2x1 cluster where those pair up, else 1x2); e4m3 fwd: swap-AB up to 26 rows, then to 384 rows
     64x256 pingpong."""
     names = cake_ops._C.grouped_gemm_tactics(family)
-    assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue)] == expected
+    assert names[cake_ops._C.grouped_gemm_tactic_for(family, e, sum_m, n, k, -1, epilogue, H200_DRAM_TBPS)] == expected
 
 
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")

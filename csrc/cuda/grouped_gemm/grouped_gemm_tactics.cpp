@@ -231,6 +231,23 @@ int sm_count() {
   return count;
 }
 
+// The device's DRAM bandwidth (bytes/s): twice its memory clock times its bus width (an H100 SXM's HBM3
+// 3.35e12, an H200's HBM3e 4.9e12). No GPU here (a CPU-only test of the heuristic): the H200's.
+double device_dram_bytes_per_s() {
+  static const double bytes_per_s = [] {
+    int device = 0, khz = 0, bits = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess || khz <= 0 ||
+        bits <= 0) {
+      (void)cudaGetLastError();
+      return 4.8e12;
+    }
+    return 2.0 * khz * 1e3 * bits / 8;
+  }();
+  return bytes_per_s;
+}
+
 // The experts a decode-sized GEMM touches (at most one per row) and their weight tiles `tile_rows` wide.
 int64_t experts_touched(const GroupedGemmShape& s) {
   return std::max<int64_t>(1, std::min(s.num_groups, choice_rows(s)));
@@ -301,7 +318,7 @@ GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin, 
   return epilogue_twin_sm90(tactic, twin);
 }
 
-int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin) {
+int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin, double dram_bytes_per_s) {
   const int forced = tactic_override_sm90(family);
   if (forced >= 0) return forced;
   {
@@ -406,11 +423,16 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an
   // H100's L2): sweeping along N keeps the expert's weight in L2 and re-reads x tiles from it,
-  // 128x128 pingpong +4 to +10% over the 1x2 cluster (the E=4 and E=8 "down" shapes).
+  // 128x128 pingpong +4 to +10% over the 1x2 cluster (the E=4 and E=8 "down" shapes) on an H200.
+  // Only with an H200's DRAM: the weight's re-reads, once per 128-row block, mostly miss L2 (22 GB
+  // at E=4, 112576 rows: 4.6 ms at 4.8 TB/s, 4.4 measured), and on an H100 (3.35 TB/s) the same tile
+  // ran 25% under torch._grouped_mm, the 1x2 cluster 2-7% over it (results/grouped_gemm_h100_s48.txt).
   constexpr int64_t kWeightInL2Bytes = 25ll << 20;
+  constexpr double kWeightInL2MinDramBytesPerS = 4.5e12;
   const int64_t weight_element_bytes = family == TacticFamily::kFwdE4m3 ? 1 : 2;
+  if (dram_bytes_per_s <= 0) dram_bytes_per_s = device_dram_bytes_per_s();
   if (rows_per_group > 8192 && c.large_groups_weight_in_l2 >= 0 &&
-      s.n * s.k * weight_element_bytes <= kWeightInL2Bytes) {
+      s.n * s.k * weight_element_bytes <= kWeightInL2Bytes && dram_bytes_per_s >= kWeightInL2MinDramBytesPerS) {
     return c.large_groups_weight_in_l2;
   }
   if (rows_per_group <= 2048 && c.medium_groups >= 0) return n_tiles_pair(256) ? c.medium_groups : c.large_groups_odd;

@@ -48,8 +48,9 @@ GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin);
 GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin, const GroupedGemmShape& s);
 // The forced tactic of the family (set_tactic_override), else the autotuned tactic of the shape
 // bucket and epilogue twin (set_tuned_tactic), else the shape heuristic's, which may depend on the
-// epilogue twin that will run the tactic.
-int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin = EpilogueTwin::kNone);
+// epilogue twin that will run the tactic, and on the DRAM bandwidth (bytes/s; 0: the current device's).
+int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin = EpilogueTwin::kNone,
+                       double dram_bytes_per_s = 0);
 // Record the tactic the autotuner measured fastest for problems of this bucket: the same E, N
 // and K, sum_m rounded up to a power of two, and the same epilogue twin.
 void set_tuned_tactic(TacticFamily family, const GroupedGemmShape& s, int tactic,

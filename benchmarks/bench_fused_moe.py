@@ -209,11 +209,15 @@ def load_runs(paths, print_row):
 
 
 def write_results(path, device, summary, rows, reps, sources=None):
-    """sources: the meta of the runs whose rows these are (--from-json), kept instead of this process's."""
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
-            "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": reps, "hbm_tbps": HBM_TBPS}
-    result = {"meta": {"merged_from": sources} if sources else meta, "summary": summary, "rows": rows}
+    """sources: the meta of the runs whose rows these are (--from-json), kept instead of this process's (which
+    may have no GPU: GPU runs are merged anywhere)."""
+    if sources:
+        meta = {"merged_from": sources}
+    else:
+        meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
+                "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": reps, "hbm_tbps": HBM_TBPS}
+    result = {"meta": meta, "summary": summary, "rows": rows}
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -52,12 +52,16 @@ def test_fused_moe_bench_merges_runs(tmp_path):
         parts.append(tmp_path / f"{model}.json")
         run_bench("bench_fused_moe.py", "--cpu", "--reps", "2", "--warmup", "1", "--no-compiled", "--models", model,
                   "--tokens", "1,16", "--json", str(parts[-1]))
+    # A GPU run's JSON says "cuda": merging it needs no GPU here.
+    gpu_run = json.loads(parts[0].read_text())
+    gpu_run["meta"]["device"] = "cuda"
+    parts[0].write_text(json.dumps(gpu_run))
     merged = tmp_path / "merged.json"
     table = run_bench("bench_fused_moe.py", "--from-json", ",".join(map(str, parts)), "--json", str(merged))
     result = json.loads(merged.read_text())
     rows = [r for part in parts for r in json.loads(part.read_text())["rows"]]
     assert result["rows"] == rows
-    assert [m["device"] for m in result["meta"]["merged_from"]] == ["cpu", "cpu"]
+    assert [m["device"] for m in result["meta"]["merged_from"]] == ["cuda", "cpu"]
     assert sum(line.startswith(("tiny ", "tiny_ep ")) for line in table.splitlines()) == 4
 
 

@@ -65,7 +65,7 @@ TORCH_LIBRARY(cake, m) {
   // finalize never read them, and an expert-parallel shard's tail is most of the tensor: zeroing
   // it cost the Kimi-K2 EP8 shard 5.6% at T=16384; fused_moe_bf16 passes False). enable_pdl:
   // launch the CUDA kernels with Programmatic Dependent Launch (numerics unaffected; grouped GEMMs
-  // of more than 16384 expected rows launch plainly: grouped_gemm_cuda.cpp).
+  // of more than 4096 expected rows launch plainly: grouped_gemm_cuda.cpp).
   // clamp_limits (float32 [E_local]) makes the activation StepFun's SwiGLUStep,
   // min(silu(gate), L_e) * clamp(up, -L_e, L_e) with L_e the row's expert's limit.
   // tactic (both MoE GEMMs): -1 = automatic (the decode kernel for up to 64 rows, or 2 per

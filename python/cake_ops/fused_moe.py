@@ -11,7 +11,7 @@ On the GPU (SM90) each stage is a CUDA kernel: a stable token sort (one block, o
 launch of a block per chunk for many routes), a row gather, the grouped GEMM (bf16 or fp16) with the
 SwiGLU, the grouped GEMM again and the combine; with
 ``enable_pdl`` (default) every kernel of the chain launches with Programmatic Dependent Launch,
-but for grouped GEMMs of more than 16384 (expected) rows, where it gains nothing and two chained
+but for grouped GEMMs of more than 4096 (expected) rows, where it gains nothing and two chained
 ones slowed CUDA-graph replays (benchmarks/NOTES.md, session 28).
 Decode sizes run both GEMMs in a weight-streaming kernel (gather and SwiGLU inside). Above ~32
 rows per expert the grouped GEMM's tiles apply the SwiGLU in GEMM1's epilogue; with

@@ -58,12 +58,15 @@ struct TwinLaunch {
 // hurts a long GEMM that follows another one: on the H200 the CUDA-graph replay of the StepFun
 // chain (Step-3.5 bf16, T=8192: 65536 rows) ran 6.1-6.7 ms against 4.1-4.4 whenever GEMM1 and
 // GEMM2 both launched with PDL, and 4.2 with a plain kernel between them; at 16384 rows the
-// edge cost nothing (benchmarks/NOTES.md, session 28). Longer GEMMs launch plainly: a few
+// edge cost nothing (benchmarks/NOTES.md, session 28). On an H100 the same slowdown shows at 8192
+// and 16384 rows (StepFun issue geometry bf16 T=1024 / 2048: 1.03-1.05 / 1.33 ms against 0.965 / 1.265
+// without PDL, fp8 T=2048 0.89 against 0.85; level from 4096 rows down; session 48), while on the
+// H200 PDL at 8192 rows was within +-1% (session 29). Longer GEMMs launch plainly: a few
 // microseconds on a millisecond. An expert-parallel shard's expected rows size the GEMM, unless
 // its prologue zeroes the rows past the groups' end (zero_tail: most of the output, every row
 // counts): the Kimi-K2 EP8 shard's GEMM1 at T=9216 (9216 of 73728 rows its own) on the fixed
 // 64x256 tile ran 1.86-1.96 ms with PDL against 1.14-1.24 without (session 35).
-constexpr int64_t kPdlMaxRows = 16384;
+constexpr int64_t kPdlMaxRows = 4096;
 
 bool launches_with_pdl(const GroupedGemmShape& s, bool zero_tail) {
   return (s.expected_rows >= 0 && !zero_tail ? s.expected_rows : s.sum_m) <= kPdlMaxRows;

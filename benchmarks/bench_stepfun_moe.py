@@ -13,8 +13,9 @@ within 1.1x" target; for fp8 (weights quantized per expert, dynamic per-tensor a
 issue's fp8 rows) and fp8-static (the same weights with static activation scales calibrated on the
 batch, amax / 448 of the hidden states and of fc1's output, as a deployment with calibrated scales runs
 it), the ratio to the bf16 family's graph replay of the same run; and the weight floor (bytes of the
-experts touched, at the family's width, / the card's read bandwidth, the H200's 4.8 TB/s) and the FLOP floor (the rate of dense bf16
-torch.mm products of the same size, measured in the same run, as bench_fused_moe.py's). Families
+experts touched, at the family's width, / the card's read bandwidth, the H200's 4.8 TB/s) and the
+FLOP floor (the rate of dense bf16 torch.mm products of the same size, measured in the same run, as
+bench_fused_moe.py's). Families
 this build does not run yet print their error.
 """
 import argparse

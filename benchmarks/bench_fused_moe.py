@@ -8,9 +8,10 @@ Per (model, T): cake with the fused and the deterministic finalize, eager and as
 replays; the plain PyTorch pipeline (stable sort, torch._grouped_mm for both GEMMs, SwiGLU,
 index_add combine; no host sync) eager and under torch.compile; and two floors: the weight bytes
 of the experts the routing touches / the card's read bandwidth (`HBM_TBPS`: the H200's 4.8 TB/s),
-and the FLOPs / the rate of the dense torch.mm products of the same size (the model's widths, as many rows as kept routes, at least DENSE_MIN_ROWS),
-measured in the same run. Timings are medians over rotations (every peer once per round, graph replays of
-one captured call among the eager calls) after an L2 flush.
+and the FLOPs / the rate of the dense torch.mm products of the same size (the model's widths, as
+many rows as kept routes, at least DENSE_MIN_ROWS), measured in the same run. Timings are medians
+over rotations (every peer once per round, graph replays of one captured call among the eager
+calls) after an L2 flush.
 """
 import argparse
 import datetime

@@ -307,11 +307,12 @@ def hbm_tbps(device_name):
     return next((tbps for name, tbps in HBM_TBPS_BY_NAME if name in device_name), 4.8)
 
 
-HBM_TBPS = hbm_tbps(torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+CARD = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+HBM_TBPS = hbm_tbps(CARD or "cpu")
 
 
 def floor_note():
-    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU: the H200's"
+    card = CARD or "no GPU: the H200's"
     return f"# weight floor: bytes read / {HBM_TBPS} TB/s ({card}; CAKE_HBM_TBPS overrides)"
 
 

@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import os
+import re
 import statistics
 import time
 import zlib
@@ -40,6 +41,20 @@ for _proj, (_n, _k) in {"gate_up": (4096, 6144), "down": (6144, 2048)}.items():
     for _e in (8, 16, 32):
         SHAPES[f"{_proj}_e{_e}_m131072"] = (_e, 131072, _n, _k, "balanced")
 CPU_SHAPES = {"tiny_e8": (8, 512, 256, 256, "balanced"), "tiny_e4_skewed": (4, 384, 128, 256, "skewed")}
+DIMS_NAME = re.compile(r"e(\d+)_m(\d+)_n(\d+)_k(\d+)(?:_(balanced|skewed|one_empty))?")
+
+
+def shape_dims(name):
+    """(E, sum_m, N, K, distribution) of a named shape, or of any name spelled
+    e{E}_m{sum_m}_n{N}_k{K}[_balanced|_skewed|_one_empty] (e.g. e8_m8192_n28672_k4096)."""
+    if name in SHAPES or name in CPU_SHAPES:
+        return {**SHAPES, **CPU_SHAPES}[name]
+    match = DIMS_NAME.fullmatch(name)
+    if not match:
+        raise SystemExit(f"bench_grouped_gemm: unknown shape {name!r}; expected one of {sorted(SHAPES)} "
+                         f"or {sorted(CPU_SHAPES)}, or e{{E}}_m{{sum_m}}_n{{N}}_k{{K}}[_skewed|_one_empty]")
+    e, sum_m, n, k = map(int, match.groups()[:4])
+    return e, sum_m, n, k, match.group(5) or "balanced"
 OPS = ["fwd", "dgrad", "wgrad", "wgrad_f32", "fwdbwd"]
 GRAPH_MAX_ROWS = 4096  # problems this small are timed as CUDA-graph replays (both libraries)
 
@@ -186,7 +201,7 @@ def run(args):
     for name in names:
         if device == "cuda" and args.autotune:
             cake_ops.clear_tuning()  # distributions of one shape share a bucket: tune each
-        e, sum_m, n, k, dist = {**SHAPES, **CPU_SHAPES}[name]
+        e, sum_m, n, k, dist = shape_dims(name)
         sizes = group_sizes(e, sum_m, dist)
         x = torch.randn(sum_m, k, device=device).bfloat16()
         w = torch.randn(e, n, k, device=device).bfloat16() * 0.05
@@ -365,7 +380,8 @@ def plot(rows, ops, path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="", help="comma-separated names (default: all for the device)")
+    p.add_argument("--shapes", default="",
+                   help="comma-separated names, or e{E}_m{sum_m}_n{N}_k{K} (default: all for the device)")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)

@@ -95,6 +95,21 @@ def test_weight_floor_is_the_cards_read_bandwidth(monkeypatch):
     assert hbm_tbps("NVIDIA H200") == 8.0
 
 
+def test_grouped_gemm_shape_by_its_dims():
+    """bench_grouped_gemm takes any shape spelled e{E}_m{sum_m}_n{N}_k{K}[_distribution], runs it (here on the
+    CPU), and names the accepted spellings for a name it does not know."""
+    shape_dims = bench_module("bench_grouped_gemm").shape_dims
+    assert shape_dims("mixtral_fc1") == (8, 16384, 28672, 4096, "balanced")
+    assert shape_dims("e8_m8192_n28672_k4096") == (8, 8192, 28672, 4096, "balanced")
+    assert shape_dims("e4_m96_n64_k32_skewed") == (4, 96, 64, 32, "skewed")
+    table = run_bench("bench_grouped_gemm.py", "--cpu", "--shapes", "e3_m40_n16_k24_one_empty", "--ops", "fwd,wgrad",
+                      "--reps", "1", "--warmup", "0")
+    assert [line.split()[:2] for line in table.splitlines() if line.startswith("e3_")] == [
+        ["e3_m40_n16_k24_one_empty", "fwd"], ["e3_m40_n16_k24_one_empty", "wgrad"]]
+    with pytest.raises(SystemExit, match=r"unknown shape 'e8_m8192'.*e\{E\}_m\{sum_m\}_n\{N\}_k\{K\}"):
+        shape_dims("e8_m8192")
+
+
 def test_graph_pdl_probe_imports():
     """graph_pdl_stepfun.py times CUDA graphs only; here its imports and options are checked (--help)."""
     usage = run_bench("graph_pdl_stepfun.py", "--help")

@@ -401,7 +401,13 @@ H200_DRAM_TBPS = 4.8  # the heuristic's rules were measured on the H200
     ("wgrad", 128, 8192, 1536, 2048, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),     # 64 rows
     ("wgrad", 8, 131072, 4096, 6144, "wgrad_bf16_fixed_coop_128x256x64_c1x2"),     # large groups
     ("wgrad", 8, 131072, 4096, 6152, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),     # 25 N (= K) tiles
-    ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_fixed_coop_128x256x64_c2x1"),   # 2048 rows (Mixtral)
+    # Mixtral fc1, 2048 rows: a group's grad_out (117 MB) overflows L2, its x (17 MB) fits: along K's side first
+    ("wgrad_f32", 8, 16384, 28672, 4096, "wgrad_f32_fixed_coop_128x256x64_c2x1_rasterN"),
+    ("wgrad", 8, 16384, 28672, 4096, "wgrad_bf16_fixed_coop_128x256x64_c2x1_rasterN"),
+    ("wgrad", 8, 8192, 28672, 4096, "wgrad_bf16_fixed_coop_128x256x64_c2x1_rasterN"),   # 1024 rows: 59 MB
+    ("wgrad", 8, 4096, 28672, 4096, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),    # 512 rows: 29 MB fit in L2
+    ("wgrad", 8, 16384, 4096, 14336, "wgrad_bf16_fixed_coop_128x256x64_c2x1"),   # Mixtral fc2: x is the large one
+    ("wgrad", 8, 32768, 28672, 4096, "wgrad_bf16_fixed_coop_128x256x64_c1x2"),   # 4096 rows: large groups
     ("wgrad_f32", 128, 128, 1536, 2048, "wgrad_f32_fixed_coop_128x256x64_c2x1"),   # decode
 ])
 def test_heuristic_choices(family, e, sum_m, n, k, expected):

@@ -139,6 +139,8 @@ struct HeuristicChoices {
   // group's 128-row tiles pair up, else 1x2; -1: none
   int long_k_groups_m_pairs = -1;
   int long_k_groups = -1;
+  // wgrad: the small-groups tile in the order along N, for a tall output (see the rule); -1: none
+  int small_groups_tall_output = -1;
 };
 
 const HeuristicChoices& heuristic_choices(TacticFamily family) {
@@ -211,6 +213,7 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
           c[f] = {named("fixed_coop_128x256x64_c2x1"), -1, named("fixed_coop_128x256x64_c2x1"), -1,
                   named("fixed_coop_128x256x64_c2x1"), 2048, -1,
                   named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c2x1"), -1};
+          c[f].small_groups_tall_output = named("fixed_coop_128x256x64_c2x1_rasterN");
       }
     }
     return c;
@@ -419,6 +422,17 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // Any size up to its bound that the rules above did not take (for bf16 fwd, groups the 128-row tile does not
   // hold; for e4m3, from where swap-AB overflows).
   if (c.small_groups >= 0 && rows_per_group <= small_groups_max_rows) {
+    // wgrad's tiles of dw (N x K) go down dw's N rows first by default (CUTLASS's order along M), so each
+    // column of tiles re-reads all of the group's grad_out: where that (rows x N) overflows L2 and its x
+    // (rows x K) fits in half of it, going along dw's K columns first reads grad_out once and x from L2. Mixtral fc1 (N = 28672,
+    // K = 4096) on an H100: 2048 rows per group 6.42 -> 5.43 ms (-15%; the 1x2 cluster 5.50), 1024 rows
+    // 3.11 -> 2.98 (-4%); where both fit (512 rows) the order does not matter, and where K is the long side
+    // (Mixtral fc2, gate_up) the order along N ran 4-27% slower (session 49, results/sweep_all_wgrad_h100_s49.txt).
+    constexpr int64_t kL2Bytes = 50ll << 20;  // an H100's or H200's
+    if (c.small_groups_tall_output >= 0 && rows_per_group * s.n * 2 > kL2Bytes &&
+        rows_per_group * s.k * 2 <= kL2Bytes / 2) {
+      return c.small_groups_tall_output;
+    }
     return c.small_groups;
   }
   // fwd over thousands of rows per expert whose weight fits in L2 (25 MB: under half of an

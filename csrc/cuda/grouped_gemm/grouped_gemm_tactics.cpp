@@ -251,6 +251,9 @@ double device_dram_bytes_per_s() {
   return bytes_per_s;
 }
 
+// An H100's or H200's L2 (both 50 MB): the bound of the rules that keep an operand in it.
+constexpr int64_t kL2Bytes = 50ll << 20;
+
 // The experts a decode-sized GEMM touches (at most one per row) and their weight tiles `tile_rows` wide.
 int64_t experts_touched(const GroupedGemmShape& s) {
   return std::max<int64_t>(1, std::min(s.num_groups, choice_rows(s)));
@@ -428,7 +431,6 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
     // K = 4096) on an H100: 2048 rows per group 6.42 -> 5.43 ms (-15%; the 1x2 cluster 5.50), 1024 rows
     // 3.11 -> 2.98 (-4%); where both fit (512 rows) the order does not matter, and where K is the long side
     // (Mixtral fc2, gate_up) the order along N ran 4-27% slower (session 49, results/sweep_all_wgrad_h100_s49.txt).
-    constexpr int64_t kL2Bytes = 50ll << 20;  // an H100's or H200's
     if (c.small_groups_tall_output >= 0 && rows_per_group * s.n * 2 > kL2Bytes &&
         rows_per_group * s.k * 2 <= kL2Bytes / 2) {
       return c.small_groups_tall_output;
@@ -441,7 +443,7 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   // Only with an H200's DRAM: the weight's re-reads, once per 128-row block, mostly miss L2 (22 GB
   // at E=4, 112576 rows: 4.6 ms at 4.8 TB/s, 4.4 measured), and on an H100 (3.35 TB/s) the same tile
   // ran 25% under torch._grouped_mm, the 1x2 cluster 2-7% over it (results/grouped_gemm_h100_s48.txt).
-  constexpr int64_t kWeightInL2Bytes = 25ll << 20;
+  constexpr int64_t kWeightInL2Bytes = kL2Bytes / 2;
   constexpr double kWeightInL2MinDramBytesPerS = 4.5e12;
   const int64_t weight_element_bytes = family == TacticFamily::kFwdE4m3 ? 1 : 2;
   if (dram_bytes_per_s <= 0) dram_bytes_per_s = device_dram_bytes_per_s();

@@ -209,7 +209,7 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
           // cluster up to 2048 rows per group (Qwen3-30B fc1 / fc2, 512 rows: +9 / +11%, float32 +8%; 1024 rows
           // +6%; 2048 +4%), then the 1x2 cluster (0 to +5% over the ptr-array tile's order along N, swizzle 4).
           // Decode too (1 to 8 rows per group: +39 to +47%, float32 +3 to +12%): a group's last K block runs
-          // only the wgmmas that hold its rows.
+          // only the wgmmas that hold its rows. Tall outputs take the 2x1 tile in the order along N (the rule).
           c[f] = {named("fixed_coop_128x256x64_c2x1"), -1, named("fixed_coop_128x256x64_c2x1"), -1,
                   named("fixed_coop_128x256x64_c2x1"), 2048, -1,
                   named("fixed_coop_128x256x64_c1x2"), named("fixed_coop_128x256x64_c2x1"), -1};
@@ -427,10 +427,11 @@ int choose_tactic_sm90(TacticFamily family, const GroupedGemmShape& s, EpilogueT
   if (c.small_groups >= 0 && rows_per_group <= small_groups_max_rows) {
     // wgrad's tiles of dw (N x K) go down dw's N rows first by default (CUTLASS's order along M), so each
     // column of tiles re-reads all of the group's grad_out: where that (rows x N) overflows L2 and its x
-    // (rows x K) fits in half of it, going along dw's K columns first reads grad_out once and x from L2. Mixtral fc1 (N = 28672,
-    // K = 4096) on an H100: 2048 rows per group 6.42 -> 5.43 ms (-15%; the 1x2 cluster 5.50), 1024 rows
-    // 3.11 -> 2.98 (-4%); where both fit (512 rows) the order does not matter, and where K is the long side
-    // (Mixtral fc2, gate_up) the order along N ran 4-27% slower (session 49, results/sweep_all_wgrad_h100_s49.txt).
+    // (rows x K) fits in half of it, going along dw's K columns first reads grad_out once and x from L2.
+    // Mixtral fc1 (N = 28672, K = 4096) on an H100: 2048 rows per group 6.42 -> 5.43 ms (-15%; the 1x2
+    // cluster 5.50), 1024 rows 3.11 -> 2.98 (-4%); where both fit (512 rows) the order does not matter, and
+    // where K is the long side (Mixtral fc2, gate_up) the order along N ran 4-27% slower (session 49,
+    // results/sweep_all_wgrad_h100_s49.txt). On the H200 the tiles and orders ran level there (session 25).
     if (c.small_groups_tall_output >= 0 && rows_per_group * s.n * 2 > kL2Bytes &&
         rows_per_group * s.k * 2 <= kL2Bytes / 2) {
       return c.small_groups_tall_output;

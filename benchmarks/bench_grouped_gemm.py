@@ -395,6 +395,8 @@ def main():
     p.add_argument("--plot", default="", help="write a PNG plot here")
     args = p.parse_args()
     warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
+    for name in filter(None, args.shapes.split(",")):
+        shape_dims(name)  # an unknown name fails here, before any table
     print(floor_note())
     print(HEADER)
     device, rows = run(args)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import cake_ops
 from cake_ops.fused_moe import fused_moe_bf16, interleave_up_gate_sm90
-from bench_grouped_gemm import HBM_TBPS, Timer, floor_note, fmt, geomean, seed_case
+from bench_grouped_gemm import CARD, HBM_TBPS, Timer, floor_note, fmt, geomean, seed_case
 
 # (E total, top_k, hidden, intermediate, E local, local expert offset)
 MODELS = {
@@ -216,7 +216,7 @@ def write_results(path, device, summary, rows, reps, sources=None):
         meta = {"merged_from": sources}
     else:
         meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
-                "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "gpu": CARD if device == "cuda" else "cpu",
                 "torch": torch.__version__, "cake_ops": cake_ops.build_info(), "reps": reps, "hbm_tbps": HBM_TBPS}
     result = {"meta": meta, "summary": summary, "rows": rows}
     with open(path, "w") as f:

@@ -403,7 +403,7 @@ def main():
     ops = args.ops.split(",")
     result = {
         "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device,
-                 "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                 "gpu": CARD if device == "cuda" else "cpu",
                  "torch": torch.__version__, "cuda": torch.version.cuda, "cake_ops": cake_ops.build_info(),
                  "reps": args.reps, "autotune": args.autotune, "hbm_tbps": HBM_TBPS},
         "summary": summary(rows, ops),

@@ -221,32 +221,30 @@ const HeuristicChoices& heuristic_choices(TacticFamily family) {
   return choices[static_cast<int>(family)];
 }
 
+// An attribute of the current device, or `fallback` where there is none (a CPU-only test of the heuristic).
+int current_device_attribute(cudaDeviceAttr attr, int fallback) {
+  int devices = 0, device = 0, value = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fallback;
+  }
+  return value;
+}
+
+// No GPU here: an H100's / H200's 132.
 int sm_count() {
-  static const int count = [] {
-    int devices = 0, device = 0, sms = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 132;  // no GPU here (a CPU-only test of the heuristic): an H100 / H200
-    }
-    return sms;
-  }();
+  static const int count = current_device_attribute(cudaDevAttrMultiProcessorCount, 132);
   return count;
 }
 
 // The device's DRAM bandwidth (bytes/s): twice its memory clock times its bus width (an H100 SXM's HBM3
-// 3.35e12, an H200's HBM3e 4.9e12). No GPU here (a CPU-only test of the heuristic): the H200's.
+// 3.35e12, an H200's HBM3e 4.9e12). No GPU here: the H200's.
 double device_dram_bytes_per_s() {
   static const double bytes_per_s = [] {
-    int device = 0, khz = 0, bits = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess || khz <= 0 ||
-        bits <= 0) {
-      (void)cudaGetLastError();
-      return 4.8e12;
-    }
-    return 2.0 * khz * 1e3 * bits / 8;
+    const int khz = current_device_attribute(cudaDevAttrMemoryClockRate, 0);
+    const int bits = current_device_attribute(cudaDevAttrGlobalMemoryBusWidth, 0);
+    return khz > 0 && bits > 0 ? 2.0 * khz * 1e3 * bits / 8 : 4.8e12;
   }();
   return bytes_per_s;
 }

@@ -388,7 +388,10 @@ def main():
     p.add_argument("--loop", action="store_true", help="also time a per-expert torch.mm loop (fwd)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     p.add_argument("--sweep", action="store_true", help="also time every kernel configuration (GPU)")
-    p.add_argument("--sweep-all", action="store_true", help="... in every scheduler tile order too")
+    p.add_argument("--sweep-all", action="store_true",
+                   help="... in every scheduler tile order too (a shortlist: at an H100's power cap a rotation of ~50 "
+                        "large GEMMs carries several %% of clock noise per tactic; rank the finalists with "
+                        "sweep_order_bias.py, NOTES.md session 50)")
     p.add_argument("--autotune", action="store_true",
                    help="time cake with the tactic cake_ops.autotune() picks per shape (GPU)")
     p.add_argument("--json", default="", help="write the rows here")

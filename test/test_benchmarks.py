@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import cake_ops
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -144,3 +146,18 @@ def test_overrides_ab_parses_its_overrides():
     parse_overrides = bench_module("ab_fused_moe_overrides").parse_overrides
     assert parse_overrides("gemm2_tile_n=256,gemm2_cluster_shape_mn=1x2,gemm2_raster_along_m=0") == {
         "gemm2_tile_n": 256, "gemm2_cluster_shape_mn": (1, 2), "gemm2_raster_along_m": False}
+
+
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactics"), reason="built without CUDA kernels")
+def test_sweep_order_bias_names_tactics_short_or_whole():
+    """sweep_order_bias.py times on the GPU only; here its options and its short tactic names are checked."""
+    usage = run_bench("sweep_order_bias.py", "--help")
+    assert "--orders" in usage and "--alone" in usage
+    full_name = bench_module("sweep_order_bias").full_name
+    names = cake_ops._C.grouped_gemm_tactics("fwd")
+    for short, whole in [("c1x2", "fwd_bf16_fixed_coop_128x256x64_c1x2"),
+                         ("coop_256x128x64_c2x1", "fwd_bf16_coop_256x128x64_c2x1"),
+                         ("fwd_bf16_ping_64x256x64_c1x1", "fwd_bf16_ping_64x256x64_c1x1")]:
+        assert full_name("fwd", short) == (whole, names.index(whole))
+    with pytest.raises(SystemExit, match=r"no dgrad tactic named 'fixed_ping_128x128x64_c1x2'; known: dgrad_bf16_"):
+        full_name("dgrad", "fixed_ping_128x128x64_c1x2")

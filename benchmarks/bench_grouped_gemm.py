@@ -73,6 +73,17 @@ def group_sizes(e, sum_m, dist):
     return sizes
 
 
+def operands(e, sum_m, n, k, dist, device):
+    """A shape's group sizes and random bf16 operands: x [sum_m, K], w [E, N, K], grad_out [sum_m, N], and
+    the int32 group ends."""
+    sizes = group_sizes(e, sum_m, dist)
+    x = torch.randn(sum_m, k, device=device).bfloat16()
+    w = torch.randn(e, n, k, device=device).bfloat16() * 0.05
+    g = torch.randn(sum_m, n, device=device).bfloat16()
+    offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    return sizes, x, w, g, offs
+
+
 class Timer:
     """Median times of several callables measured in rotation (rep 1 of each, then rep 2 of
     each, ...), so clock and temperature drift over a long run biases none of them. The order is
@@ -202,11 +213,7 @@ def run(args):
         if device == "cuda" and args.autotune:
             cake_ops.clear_tuning()  # distributions of one shape share a bucket: tune each
         e, sum_m, n, k, dist = shape_dims(name)
-        sizes = group_sizes(e, sum_m, dist)
-        x = torch.randn(sum_m, k, device=device).bfloat16()
-        w = torch.randn(e, n, k, device=device).bfloat16() * 0.05
-        g = torch.randn(sum_m, n, device=device).bfloat16()
-        offs = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+        sizes, x, w, g, offs = operands(e, sum_m, n, k, dist, device)
         flops = 2.0 * sum_m * n * k
         touched = sum(1 for s in sizes if s > 0)
         weight_bytes = touched * n * k * 2

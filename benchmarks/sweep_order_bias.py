@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import cake_ops
-from bench_grouped_gemm import Timer, cases, group_sizes, shape_dims, with_tactics
+from bench_grouped_gemm import Timer, cases, operands, shape_dims, with_tactics
 
 
 def full_name(op, short):
@@ -34,12 +34,7 @@ def main():
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    e, sum_m, n, k, dist = shape_dims(args.shape)
-    sizes = group_sizes(e, sum_m, dist)
-    x = torch.randn(sum_m, k, device="cuda").bfloat16()
-    w = torch.randn(e, n, k, device="cuda").bfloat16() * 0.05
-    g = torch.randn(sum_m, n, device="cuda").bfloat16()
-    offs = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    sizes, x, w, g, offs = operands(*shape_dims(args.shape), "cuda")
     fn = cases(args.op, x, w, g, offs, sizes)["cake"][0]
     timer = Timer("cuda", args.reps, warmup=2)
     print(f"# {torch.cuda.get_device_name()}: {args.shape} {args.op}, median ms of {args.reps} reps, "

@@ -109,17 +109,21 @@ def tune_grouped_gemm(family: str, dims: Callable[[], tuple], run: Callable[[], 
     ``epilogue``: the twin ``run`` launches ("none", "swiglu" or "scatter"), tuned as its own bucket."""
     if not tuning_active() or device.type != "cuda" or not _has_tactics():
         return None
-    if torch.cuda.is_current_stream_capturing() or torch._C._get_dispatch_mode(
-            torch._C._TorchDispatchModeKey.FAKE) is not None:
-        return None  # no profiling inside a graph capture or a fake-tensor trace
-    try:
-        num_groups, sum_m, n, k = dims()
-        key = _key(family, num_groups, sum_m, n, k, epilogue)
-    except (IndexError, TypeError, ValueError):
-        return None  # malformed arguments: the op itself raises the clear error
-    if key in _tuned:
-        return _tuned[key]
-    times = _time_tactics(family, candidate_tactics(family, num_groups, sum_m), run)
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return None  # no profiling inside a fake-tensor trace
+    # The ops launch on their operands' device: its current stream is the one to check and to time
+    # (the current device may be another GPU).
+    with torch.cuda.device(device):
+        if torch.cuda.is_current_stream_capturing():
+            return None  # no profiling inside a graph capture
+        try:
+            num_groups, sum_m, n, k = dims()
+            key = _key(family, num_groups, sum_m, n, k, epilogue)
+        except (IndexError, TypeError, ValueError):
+            return None  # malformed arguments: the op itself raises the clear error
+        if key in _tuned:
+            return _tuned[key]
+        times = _time_tactics(family, candidate_tactics(family, num_groups, sum_m), run)
     best = min(times, key=times.get)
     _record(key, best)
     return best

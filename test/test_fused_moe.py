@@ -4,6 +4,7 @@ bad inputs."""
 import expecttest
 import pytest
 import torch
+import torch._dynamo.testing
 
 from cake_ops import nn as cake_ops_nn
 from cake_ops import reference
@@ -149,6 +150,22 @@ def test_compiles_fullgraph():
     out, inter = torch.empty_like(x), x.new_empty(x.shape[0] * k, w2.shape[2])
     got = torch.compile(into_buffers, fullgraph=True, backend="aot_eager")(x, ids, scales, out, inter)
     assert torch.equal(got, moe(x, ids, scales)) and torch.equal(out, got)
+
+
+def test_compiles_once_for_any_token_count(device):
+    """A serving loop's batch size changes every step: dynamic-shape graphs serve them, one per plan
+    bucket (T=1; the layer kernel's decode sizes on CUDA; the rest), not one per T, bitwise as eager."""
+    x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", device, torch.bfloat16)
+    w1 = interleave_up_gate_sm90(w1)
+
+    def moe(x, ids, scales):
+        return fused_moe_bf16(x, ids, scales, w1, w2, e, k, use_fused_finalize=False)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager" if device == "cpu" else "inductor")
+    compiled = torch.compile(moe, fullgraph=True, dynamic=True, backend=counter)
+    for t in (5, 37, 1, 19, 2, 33, 11, 3):
+        assert torch.equal(compiled(x[:t], ids[:t], scales[:t]), moe(x[:t], ids[:t], scales[:t])), t
+    assert counter.frame_count <= 3, counter.frame_count
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="inductor and CUDA graphs need a GPU")

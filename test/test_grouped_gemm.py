@@ -11,6 +11,7 @@ import warnings
 import expecttest
 import pytest
 import torch
+import torch._dynamo.testing
 
 import cake_ops
 from cake_ops import grouped_gemm as gg
@@ -288,6 +289,22 @@ def test_compile_fullgraph_moe_with_backward(device, mode):
         compiled = run_moe_step(compiled_model, x, offs)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b), "compiled and eager runs of the same kernels must agree bitwise"
+
+
+def test_compiles_once_for_any_row_count(device):
+    """The routed row count changes every step: one dynamic-shape graph, forward and backward."""
+    torch._dynamo.reset()
+    model = TinyMoE(4, 32, 48, device)
+    x = rand(300, 32, dtype=torch.bfloat16, device=device)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager" if device == "cpu" else "inductor")
+    compiled_model = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    for sizes in ([40, 0, 1, 23], [100, 7, 0, 150], [3, 3, 3, 3], [0, 0, 0, 200]):
+        offs = make_offs(sizes, device)
+        rows = sum(sizes) + 2
+        eager = run_moe_step(model, x[:rows], offs)
+        for a, b in zip(eager, run_moe_step(compiled_model, x[:rows], offs)):
+            assert torch.equal(a, b)
+    assert counter.frame_count <= 2, counter.frame_count
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import warnings
 import expecttest
 import pytest
 import torch
+import torch._dynamo.testing
 
 import cake_ops
 from cake_ops import moe, reference
@@ -474,6 +475,24 @@ def test_compiles_fullgraph(family, t):
         return sm.stepfun_moe(x, weights, logits, top_k=k)
     compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, logits), forward(x, logits))
+
+
+@families
+def test_compiles_once_for_any_token_count(device, family):
+    """Dynamic token counts share graphs: one per plan bucket (T=1 and its layer plan, fp8's fc2 that
+    quantizes its input up to 16 rows, the rest), not one per T."""
+    hidden, inter, e, k, _ = geometry(device)
+    x, logits, w1, w2 = make(device, 40, hidden, inter, e, k)
+    weights = sm.prepare_weights(w1, w2, 7.0, family=family)
+
+    def forward(x, logits):
+        return sm.stepfun_moe(x, weights, logits, top_k=k)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager" if device == "cpu" else "inductor")
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True, backend=counter)
+    for t in (3, 40, 1, 21, 8, 33, 2, 13):
+        assert torch.equal(compiled(x[:t], logits[:t]), forward(x[:t], logits[:t])), t
+    assert counter.frame_count <= 3, counter.frame_count
 
 
 @cuda_only

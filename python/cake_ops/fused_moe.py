@@ -39,7 +39,7 @@ compiled code.
 from __future__ import annotations
 
 import re
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -126,37 +126,40 @@ def _shape(t: torch.Tensor) -> list:
     return list(t.shape)
 
 
-def _check(cond: bool, message: str) -> None:
+def _check(cond: bool, message: Callable[[], str]) -> None:
+    """Raise ValueError(message()) unless cond. The message is formatted only on failure: these checks
+    run on every call (formatting them all took ~10 us of host time per call), and under
+    torch.compile with dynamic shapes formatting a SymInt would break the graph."""
     if not cond:
-        raise ValueError(f"{_NAME}: {message}")
+        raise ValueError(f"{_NAME}: {message()}")
 
 
 def _check_buffer(buf: torch.Tensor, name: str, shape: list, x: torch.Tensor) -> None:
-    _check(_shape(buf) == shape, f"{name} must have shape {shape}, got {_shape(buf)}")
-    _check(buf.dtype == x.dtype, f"{name} must have x's dtype {x.dtype}, got {buf.dtype}")
-    _check(buf.device == x.device, f"{name} must be on x's device {x.device}, got {buf.device}")
-    _check(buf.is_contiguous(), f"{name} must be contiguous")
+    _check(_shape(buf) == shape, lambda: f"{name} must have shape {shape}, got {_shape(buf)}")
+    _check(buf.dtype == x.dtype, lambda: f"{name} must have x's dtype {x.dtype}, got {buf.dtype}")
+    _check(buf.device == x.device, lambda: f"{name} must be on x's device {x.device}, got {buf.device}")
+    _check(buf.is_contiguous(), lambda: f"{name} must be contiguous")
 
 
 def _check_overrides(hidden: int, intermediate: int, tile_size, gemm1_tile_n, gemm2_tile_n,
                      gemm2_tile_k, gemm2_cluster_shape_mn, gemm2_raster_along_m) -> None:
-    _check(tile_size in (None, 64, 128), f"tile_size must be 64 or 128, got {tile_size}")
+    _check(tile_size in (None, 64, 128), lambda: f"tile_size must be 64 or 128, got {tile_size}")
     _check(gemm1_tile_n is None or (gemm1_tile_n in (64, 128, 256) and (2 * intermediate) % gemm1_tile_n == 0),
-           f"gemm1_tile_n must be 64, 128 or 256 and divide 2I={2 * intermediate}, got {gemm1_tile_n}")
+           lambda: f"gemm1_tile_n must be 64, 128 or 256 and divide 2I={2 * intermediate}, got {gemm1_tile_n}")
     _check(gemm2_tile_n is None or (gemm2_tile_n in (64, 128, 256) and hidden % gemm2_tile_n == 0),
-           f"gemm2_tile_n must be 64, 128 or 256 and divide hidden={hidden}, got {gemm2_tile_n}")
+           lambda: f"gemm2_tile_n must be 64, 128 or 256 and divide hidden={hidden}, got {gemm2_tile_n}")
     _check(gemm2_tile_k is None or (gemm2_tile_k in (32, 64) and intermediate % gemm2_tile_k == 0),
-           f"gemm2_tile_k must be 32 or 64 and divide I={intermediate}, got {gemm2_tile_k}")
+           lambda: f"gemm2_tile_k must be 32 or 64 and divide I={intermediate}, got {gemm2_tile_k}")
     if gemm2_cluster_shape_mn is not None:
         cluster = tuple(gemm2_cluster_shape_mn)
-        _check(cluster in ((1, 1), (1, 2)), f"gemm2_cluster_shape_mn must be (1, 1) or (1, 2), got {cluster}")
+        _check(cluster in ((1, 1), (1, 2)), lambda: f"gemm2_cluster_shape_mn must be (1, 1) or (1, 2), got {cluster}")
         if cluster == (1, 2):
             tile_n = gemm2_tile_n or 128
             _check((hidden // tile_n) % 2 == 0,
-                   f"gemm2_cluster_shape_mn=(1, 2) needs an even number of GEMM2 N tiles, got "
+                   lambda: f"gemm2_cluster_shape_mn=(1, 2) needs an even number of GEMM2 N tiles, got "
                    f"hidden={hidden} / gemm2_tile_n={tile_n} = {hidden // tile_n}")
     _check(gemm2_raster_along_m is None or isinstance(gemm2_raster_along_m, bool),
-           f"gemm2_raster_along_m must be a bool or None, got {gemm2_raster_along_m!r}")
+           lambda: f"gemm2_raster_along_m must be a bool or None, got {gemm2_raster_along_m!r}")
 
 
 _TACTIC_NAME = re.compile(r"^fwd_(?:bf16|f16)_(?:fixed_)?(?:coop|ping)_(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)(_rasterN)?(_swz\d+)?$")
@@ -215,38 +218,38 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     """
     warn_experimental("cake_ops.fused_moe")
     ids, scales = token_selected_experts, token_final_scales
-    _check(x.dim() == 2, f"x must be a 2-D [num_tokens, hidden] tensor, got shape {_shape(x)}")
-    _check(x.dtype in (torch.bfloat16, torch.float16), f"x must be bfloat16 or float16, got {x.dtype}")
+    _check(x.dim() == 2, lambda: f"x must be a 2-D [num_tokens, hidden] tensor, got shape {_shape(x)}")
+    _check(x.dtype in (torch.bfloat16, torch.float16), lambda: f"x must be bfloat16 or float16, got {x.dtype}")
     num_tokens, hidden = x.shape
-    _check(isinstance(top_k, int) and top_k >= 1, f"top_k must be a positive int, got {top_k!r}")
+    _check(isinstance(top_k, (int, torch.SymInt)) and top_k >= 1, lambda: f"top_k must be a positive int, got {top_k!r}")
     _check(_shape(ids) == [num_tokens, top_k],
-           f"token_selected_experts must have shape [num_tokens, top_k] = {[num_tokens, top_k]}, got {_shape(ids)}")
-    _check(ids.dtype == torch.int32, f"token_selected_experts must be int32, got {ids.dtype}")
+           lambda: f"token_selected_experts must have shape [num_tokens, top_k] = {[num_tokens, top_k]}, got {_shape(ids)}")
+    _check(ids.dtype == torch.int32, lambda: f"token_selected_experts must be int32, got {ids.dtype}")
     _check(_shape(scales) == [num_tokens, top_k],
-           f"token_final_scales must have shape [num_tokens, top_k] = {[num_tokens, top_k]}, got {_shape(scales)}")
-    _check(scales.dtype == torch.float32, f"token_final_scales must be float32, got {scales.dtype}")
+           lambda: f"token_final_scales must have shape [num_tokens, top_k] = {[num_tokens, top_k]}, got {_shape(scales)}")
+    _check(scales.dtype == torch.float32, lambda: f"token_final_scales must be float32, got {scales.dtype}")
     num_local = num_experts if num_local_experts is None else num_local_experts
-    _check(num_experts >= 1, f"num_experts must be positive, got {num_experts}")
-    _check(1 <= num_local <= num_experts, f"num_local_experts must be in [1, num_experts={num_experts}], got {num_local}")
+    _check(num_experts >= 1, lambda: f"num_experts must be positive, got {num_experts}")
+    _check(1 <= num_local <= num_experts, lambda: f"num_local_experts must be in [1, num_experts={num_experts}], got {num_local}")
     _check(0 <= local_expert_offset <= num_experts - num_local,
-           f"the shard [local_expert_offset, local_expert_offset + num_local_experts) = "
+           lambda: f"the shard [local_expert_offset, local_expert_offset + num_local_experts) = "
            f"[{local_expert_offset}, {local_expert_offset + num_local}) must lie within [0, num_experts={num_experts})")
     _check(w1_weight.dim() == 3 and w1_weight.shape[0] == num_local and w1_weight.shape[2] == hidden,
-           f"w1_weight must be [num_local_experts={num_local}, 2I, hidden={hidden}], got {_shape(w1_weight)}")
+           lambda: f"w1_weight must be [num_local_experts={num_local}, 2I, hidden={hidden}], got {_shape(w1_weight)}")
     intermediate = w1_weight.shape[1] // 2
     _check(_shape(w2_weight) == [num_local, hidden, intermediate],
-           f"w2_weight must be [num_local_experts, hidden, I] = {[num_local, hidden, intermediate]}, got {_shape(w2_weight)}")
+           lambda: f"w2_weight must be [num_local_experts, hidden, I] = {[num_local, hidden, intermediate]}, got {_shape(w2_weight)}")
     for name, w in (("w1_weight", w1_weight), ("w2_weight", w2_weight)):
-        _check(w.dtype == x.dtype, f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+        _check(w.dtype == x.dtype, lambda: f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
     for name, t in (("token_selected_experts", ids), ("token_final_scales", scales),
                     ("w1_weight", w1_weight), ("w2_weight", w2_weight)):
-        _check(t.device == x.device, f"{name} must be on x's device {x.device}, got {t.device}")
+        _check(t.device == x.device, lambda: f"{name} must be on x's device {x.device}, got {t.device}")
     for name, w in (("w1_weight", w1_weight), ("w2_weight", w2_weight)):
-        _check(w.is_contiguous(), f"{name} must be contiguous (prepare it once with the model's weights)")
+        _check(w.is_contiguous(), lambda: f"{name} must be contiguous (prepare it once with the model's weights)")
     x, ids, scales = x.contiguous(), ids.contiguous(), scales.contiguous()
-    _check(hidden % 64 == 0, f"hidden must be a multiple of 64, got {hidden}")
+    _check(hidden % 64 == 0, lambda: f"hidden must be a multiple of 64, got {hidden}")
     _check(w1_weight.shape[1] % 64 == 0 and intermediate % 32 == 0,
-           f"2I must be a multiple of 64 (I % 32 == 0), got 2I={w1_weight.shape[1]}")
+           lambda: f"2I must be a multiple of 64 (I % 32 == 0), got 2I={w1_weight.shape[1]}")
     if moe_output is not None:
         _check_buffer(moe_output, "moe_output", [num_tokens, hidden], x)
     if intermediate_buffer is not None:

@@ -81,14 +81,16 @@ TORCH_LIBRARY(cake, m) {
   // then the fp8 path. expected_routes (all the MoE GEMMs; -1: every row): how many of the
   // T * top_k rows the caller expects to be routed to this shard's experts (an expert-parallel
   // shard gets about T * top_k * E_local / E); the automatic tactic choice sizes the groups by it.
-  // A hint only: results never depend on it. expanded_to_permuted (GEMM1): moe_sort's inverse of
+  // A hint only: results never depend on it. It is a SymInt so that a graph traced with dynamic
+  // token counts passes it on instead of specializing on T (the kernels read it as an int64_t).
+  // expanded_to_permuted (GEMM1): moe_sort's inverse of
   // permuted_to_expanded; given, a large x is gathered in token order through it instead of an
   // inverse built on the way (a memset and a kernel less; a row that does not map back is a
   // device-side error).
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
-      "Tensor? w1_scale=None, int expected_routes=-1, bool zero_tail=True, Tensor? expanded_to_permuted=None) "
+      "Tensor? w1_scale=None, SymInt expected_routes=-1, bool zero_tail=True, Tensor? expanded_to_permuted=None) "
       "-> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. bfloat16 intermediate with float8_e4m3fn w2: quantized
@@ -98,7 +100,7 @@ TORCH_LIBRARY(cake, m) {
   // reads them; with expert parallelism they are most of the tensor).
   m.def(
       "moe_gemm2(Tensor intermediate, Tensor w2, Tensor expert_offsets, bool enable_pdl=True, int tactic=-1, "
-      "Tensor? a_scale=None, Tensor? w2_scale=None, int expected_routes=-1) -> Tensor");
+      "Tensor? a_scale=None, Tensor? w2_scale=None, SymInt expected_routes=-1) -> Tensor");
   // Per-tensor fp8 quantization: out = e4m3(clamp(x / scale, -448, 448)), rounded to nearest even,
   // in float32. scale None: a dynamic scale, max(amax(|x|), 1e-12) / 448, computed on the device.
   // Returns (out, the scale used).
@@ -122,14 +124,14 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_gemm1_swiglu_out(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, int top_k, "
       "Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, "
-      "Tensor? x_scale=None, Tensor? w1_scale=None, int expected_routes=-1, bool zero_tail=True, "
+      "Tensor? x_scale=None, Tensor? w1_scale=None, SymInt expected_routes=-1, bool zero_tail=True, "
       "Tensor? expanded_to_permuted=None) -> ()");
   // moe_gemm2 into a caller-owned out [T * top_k, H] with a workspace of
   // grouped_gemm_workspace_size(E_local) bytes (empty: allocated by the op).
   m.def(
       "moe_gemm2_out(Tensor intermediate, Tensor w2, Tensor expert_offsets, Tensor(a!) out, Tensor(b!) workspace, "
       "bool enable_pdl=True, int tactic=-1, Tensor? a_scale=None, Tensor? w2_scale=None, "
-      "int expected_routes=-1) -> ()");
+      "SymInt expected_routes=-1) -> ()");
   // GEMM2 with the fused finalize (fused_moe_bf16's default): out [T, H] (the intermediate's dtype,
   // bfloat16 or float16; contents overwritten) = sum over the kept routes of token t of
   // round(scales[t, j] * round(row)), row = GEMM2's product row of route (t, j), each addition
@@ -139,7 +141,7 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_gemm2_finalize_out(Tensor intermediate, Tensor w2, Tensor expert_offsets, Tensor permuted_to_expanded, "
       "Tensor expanded_to_permuted, Tensor token_final_scales, Tensor(a!) out, bool enable_pdl=True, "
-      "int tactic=-1, int expected_routes=-1) -> ()");
+      "int tactic=-1, SymInt expected_routes=-1) -> ()");
   // A whole MoE layer into out [T, H] (x's dtype, overwritten): moe_sort of token_selected_experts
   // for the shard [local_expert_offset, + E_local) (E_local = w1.size(0)), moe_gemm1_swiglu (SwiGLU,
   // or SwiGLUStep with clamp_limits), moe_gemm2 and moe_finalize, with those ops' numbers; fp8:
@@ -153,7 +155,7 @@ TORCH_LIBRARY(cake, m) {
       "moe_forward_out(Tensor x, Tensor token_selected_experts, Tensor token_final_scales, Tensor w1, Tensor w2, "
       "int local_expert_offset, Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, "
       "Tensor? x_scale=None, Tensor? w1_scale=None, Tensor? fc2_scale=None, Tensor? w2_scale=None, "
-      "int expected_routes=-1) -> ()");
+      "SymInt expected_routes=-1) -> ()");
   // moe_routing (Renormalize top-k of router_logits [T, E]) into token_selected_experts [T, k] int32
   // and token_final_scales [T, k] float32 (written; k = their width), then moe_forward_out with
   // them: the StepFun decode layer (on CUDA the routing kernel, then moe_forward_out's kernels; its

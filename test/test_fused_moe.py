@@ -152,14 +152,16 @@ def test_compiles_fullgraph():
     assert torch.equal(got, moe(x, ids, scales)) and torch.equal(out, got)
 
 
-def test_compiles_once_for_any_token_count(device):
+@pytest.mark.parametrize("case", ["top8", "ep_shard"])
+def test_compiles_once_for_any_token_count(device, case):
     """A serving loop's batch size changes every step: dynamic-shape graphs serve them, one per plan
-    bucket (T=1; the layer kernel's decode sizes on CUDA; the rest), not one per T, bitwise as eager."""
-    x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", device, torch.bfloat16)
+    bucket (T=1; the layer kernel's decode sizes on CUDA; the tile size), not one per T, bitwise as
+    eager. A shard's expected_routes hint grows with T: a SymInt argument, not a specialization."""
+    x, ids, scales, w1, w2, e, k, e_local, offset = problem(case, device, torch.bfloat16)
     w1 = interleave_up_gate_sm90(w1)
 
     def moe(x, ids, scales):
-        return fused_moe_bf16(x, ids, scales, w1, w2, e, k, use_fused_finalize=False)
+        return fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset, use_fused_finalize=False)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager" if device == "cpu" else "inductor")
     compiled = torch.compile(moe, fullgraph=True, dynamic=True, backend=counter)

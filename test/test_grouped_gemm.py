@@ -1,5 +1,6 @@
 """cake::grouped_gemm_{fwd,dgrad,wgrad}: numerics against float64, autograd, opcheck, compile,
 prepared launches and errors. CUDA variants run when a GPU is present."""
+import importlib
 import json
 import os
 import shutil
@@ -318,6 +319,26 @@ def test_autotune_context_on_cpu_is_a_no_op(tmp_path):
         y = gg.grouped_gemm_fwd(x, w, offs)
     assert rel_err(y, ref.grouped_gemm_fwd(x, w, offs)) < 1e-5
     assert json.loads(cache.read_text())["grouped_gemm"] == {}
+
+
+@pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
+def test_tuning_files_are_kept_per_kind_of_gpu(tmp_path, monkeypatch):
+    """A cache tuned on one card is not applied on another (no GPU needed: the names are faked)."""
+    names = cake_ops._C.grouped_gemm_tactics("fwd")
+    cache = tmp_path / "tuning.json"
+    cache.write_text(json.dumps({"version": 1, "device": "NVIDIA H200",
+                                 "grouped_gemm": {"fwd|8|4096|1024|1024": names[0]}}))
+    cake_ops.clear_tuning()
+    try:
+        monkeypatch.setattr(importlib.import_module("cake_ops.autotune"), "_device_name", lambda: "NVIDIA H100 80GB HBM3")
+        with pytest.warns(UserWarning, match="tuned on NVIDIA H200, this is NVIDIA H100 80GB HBM3: not loaded"):
+            assert cake_ops.load_tuning(str(cache)) == 0
+        monkeypatch.setattr(importlib.import_module("cake_ops.autotune"), "_device_name", lambda: "NVIDIA H200")
+        assert cake_ops.load_tuning(str(cache)) == 1
+        cake_ops.save_tuning(str(cache))
+        assert json.loads(cache.read_text())["device"] == "NVIDIA H200"
+    finally:
+        cake_ops.clear_tuning()
 
 
 @cuda_only

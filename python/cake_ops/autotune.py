@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import statistics
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -129,17 +130,30 @@ def tune_grouped_gemm(family: str, dims: Callable[[], tuple], run: Callable[[], 
     return best
 
 
+def _device_name() -> Optional[str]:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def load_tuning(path: str) -> int:
-    """Load tuned choices written by :func:`autotune`; returns how many this build could use."""
+    """Load tuned choices written by :func:`autotune`; returns how many this build could use. A file
+    tuned on another kind of GPU is skipped with a warning: the winners differ between cards (an
+    H100's and an H200's tiles do, benchmarks/NOTES.md session 50)."""
     with open(path) as f:
-        entries = json.load(f).get("grouped_gemm", {})
+        tuning = json.load(f)
+    tuned_on, here = tuning.get("device"), _device_name()
+    if tuned_on is not None and here is not None and tuned_on != here:
+        warnings.warn(f"cake_ops.load_tuning: {path} was tuned on {tuned_on}, this is {here}: not loaded "
+                      "(tune again under cake_ops.autotune())", stacklevel=2)
+        return 0
+    entries = tuning.get("grouped_gemm", {})
     return sum(_record(key, name) for key, name in entries.items()) if _has_tactics() else 0
 
 
 def save_tuning(path: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"version": 1, "grouped_gemm": dict(sorted(_tuned.items()))}, f, indent=1)
+        json.dump({"version": 1, "device": _device_name(), "grouped_gemm": dict(sorted(_tuned.items()))}, f,
+                  indent=1)
     os.replace(tmp, path)
 
 

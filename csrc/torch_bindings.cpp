@@ -83,10 +83,9 @@ TORCH_LIBRARY(cake, m) {
   // shard gets about T * top_k * E_local / E); the automatic tactic choice sizes the groups by it.
   // A hint only: results never depend on it. It is a SymInt so that a graph traced with dynamic
   // token counts passes it on instead of specializing on T (the kernels read it as an int64_t).
-  // expanded_to_permuted (GEMM1): moe_sort's inverse of
-  // permuted_to_expanded; given, a large x is gathered in token order through it instead of an
-  // inverse built on the way (a memset and a kernel less; a row that does not map back is a
-  // device-side error).
+  // expanded_to_permuted (GEMM1): moe_sort's inverse of permuted_to_expanded; given, a large x is
+  // gathered in token order through it instead of an inverse built on the way (a memset and a
+  // kernel less; a row that does not map back is a device-side error).
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "

@@ -172,7 +172,8 @@ def test_compiles_once_for_any_token_count(device, case):
     def bucket(t):  # the size rules fused_moe_bf16 branches on (the layer kernel's on CUDA only)
         cuda = x.is_cuda
         return (t == 1, cuda and t <= cake_ops.fused_moe.LAYER_MAX_TOKENS,
-                cuda and cake_ops.fused_moe.runs_layer_kernel(t, k, e_local, e), default_tile_size(t, k, e_local, 96))
+                cuda and cake_ops.fused_moe.runs_layer_kernel(t, k, e_local, e),
+                default_tile_size(t, k, e_local, w2.shape[2]))
     assert counter.frame_count <= len({bucket(t) for t in tokens}) < len(tokens), counter.frame_count
 
 

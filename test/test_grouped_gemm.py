@@ -328,12 +328,13 @@ def test_tuning_files_are_kept_per_kind_of_gpu(tmp_path, monkeypatch):
     cache = tmp_path / "tuning.json"
     cache.write_text(json.dumps({"version": 1, "device": "NVIDIA H200",
                                  "grouped_gemm": {"fwd|8|4096|1024|1024": names[0]}}))
+    tuning = importlib.import_module("cake_ops.autotune")  # the module (cake_ops.autotune is its context manager)
     cake_ops.clear_tuning()
     try:
-        monkeypatch.setattr(importlib.import_module("cake_ops.autotune"), "_device_name", lambda: "NVIDIA H100 80GB HBM3")
+        monkeypatch.setattr(tuning, "_device_name", lambda: "NVIDIA H100 80GB HBM3")
         with pytest.warns(UserWarning, match="tuned on NVIDIA H200, this is NVIDIA H100 80GB HBM3: not loaded"):
             assert cake_ops.load_tuning(str(cache)) == 0
-        monkeypatch.setattr(importlib.import_module("cake_ops.autotune"), "_device_name", lambda: "NVIDIA H200")
+        monkeypatch.setattr(tuning, "_device_name", lambda: "NVIDIA H200")
         assert cake_ops.load_tuning(str(cache)) == 1
         cake_ops.save_tuning(str(cache))
         assert json.loads(cache.read_text())["device"] == "NVIDIA H200"

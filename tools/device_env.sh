@@ -36,7 +36,8 @@ cake_build() {
 # Time guards for a call script (one device call runs at most 600 s): `el` is the seconds since
 # this file was sourced; `run_by END NEED CMD...` runs CMD under a timeout that ends at END s, or,
 # with fewer than NEED s left, skips it and says so (a step started without its time only wastes it).
-CAKE_CALL_START=$(date +%s)
+# A wrapper that runs several call scripts in one call exports its own start, so they share one clock.
+export CAKE_CALL_START=${CAKE_CALL_START:-$(date +%s)}
 el() { echo $(( $(date +%s) - CAKE_CALL_START )); }
 run_by() {
   local end=$1 need=$2

@@ -304,7 +304,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.error(token_final_scales=torch.zeros(64, 2).bfloat16()), """cake_ops.fused_moe_bf16: token_final_scales must be float32, got torch.bfloat16""")
         self.assertExpectedInline(self.error(num_local_experts=4, local_expert_offset=6), """cake_ops.fused_moe_bf16: the shard [local_expert_offset, local_expert_offset + num_local_experts) = [6, 10) must lie within [0, num_experts=8)""")
         self.assertExpectedInline(self.error(num_local_experts=4), """cake_ops.fused_moe_bf16: w1_weight must be [num_local_experts=4, 2I, hidden=128], got [8, 192, 128]""")
-        self.assertExpectedInline(self.error(w2_weight=torch.zeros(8, 128, 64).bfloat16()), """cake_ops.fused_moe_bf16: w2_weight must be [num_local_experts, hidden, I] = [8, 128, 96], got [8, 128, 64]""")
+        self.assertExpectedInline(self.error(w2_weight=torch.zeros(8, 128, 64).bfloat16()), """cake_ops.fused_moe_bf16: w2_weight must be [num_local_experts, hidden, I] = [8, 128, 96] (I = w1_weight.shape[1] // 2, w1_weight being [8, 192, 128]), got [8, 128, 64]""")
         self.assertExpectedInline(self.error(w2_weight=torch.zeros(8, 128, 96).half()), """cake_ops.fused_moe_bf16: w2_weight must have x's dtype torch.bfloat16, got torch.float16""")
         self.assertExpectedInline(self.error(x=torch.randn(64, 96).bfloat16(), w1_weight=torch.zeros(8, 192, 96).bfloat16(), w2_weight=torch.zeros(8, 96, 96).bfloat16()), """cake_ops.fused_moe_bf16: hidden must be a multiple of 64, got 96""")
         self.assertExpectedInline(self.error(w1_weight=torch.zeros(8, 80, 128).bfloat16(), w2_weight=torch.zeros(8, 128, 40).bfloat16()), """cake_ops.fused_moe_bf16: 2I must be a multiple of 64 (I % 32 == 0), got 2I=80""")

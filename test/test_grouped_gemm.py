@@ -631,6 +631,9 @@ class TestErrors(expecttest.TestCase):
         with self.assertRaises(ValueError) as ctx:
             cake_ops.grouped_mm_bf16(self.x, self.w, torch.tensor([0, 2, 2, 9], dtype=torch.int32), backend="cudnn")
         self.assertExpectedInline(str(ctx.exception), """grouped_mm_bf16: backend must be 'cake' or 'torch', got 'cudnn'""")
+        with self.assertRaises(TypeError) as ctx:
+            gg.cake_grouped_mm(self.x.tolist(), self.w, self.offs)
+        self.assertExpectedInline(str(ctx.exception), """cake_grouped_mm: x, w and offs must be tensors, got list, Tensor and Tensor""")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -238,7 +238,8 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
            lambda: f"w1_weight must be [num_local_experts={num_local}, 2I, hidden={hidden}], got {_shape(w1_weight)}")
     intermediate = w1_weight.shape[1] // 2
     _check(_shape(w2_weight) == [num_local, hidden, intermediate],
-           lambda: f"w2_weight must be [num_local_experts, hidden, I] = {[num_local, hidden, intermediate]}, got {_shape(w2_weight)}")
+           lambda: f"w2_weight must be [num_local_experts, hidden, I] = {[num_local, hidden, intermediate]} "
+           f"(I = w1_weight.shape[1] // 2, w1_weight being {_shape(w1_weight)}), got {_shape(w2_weight)}")
     for name, w in (("w1_weight", w1_weight), ("w2_weight", w2_weight)):
         _check(w.dtype == x.dtype, lambda: f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
     for name, t in (("token_selected_experts", ids), ("token_final_scales", scales),

@@ -213,6 +213,9 @@ def cake_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
     :func:`grouped_gemm_wgrad` with ``out_dtype=torch.float32``.
     """
     warn_experimental(_FEATURE)
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and isinstance(offs, torch.Tensor)):
+        raise TypeError(f"cake_grouped_mm: x, w and offs must be tensors, got {type(x).__name__}, "
+                        f"{type(w).__name__} and {type(offs).__name__}")
     return CakeGroupedMm.apply(x, w, offs, deterministic)
 
 

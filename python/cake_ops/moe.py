@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import os
 from typing import Any, Optional, Sequence, Union
 
@@ -44,8 +45,8 @@ class SwiGLUStep:
     limit: float = 7.0
 
     def __post_init__(self):
-        if not self.limit > 0:
-            raise ValueError(f"SwiGLUStep: limit must be positive, got {self.limit}")
+        if not isinstance(self.limit, numbers.Real) or not self.limit > 0:
+            raise ValueError(f"SwiGLUStep: limit must be a positive number, got {self.limit!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,10 @@ class MoEConfig:
             fail(f"backend must be a CakeStepFunConfig, got {self.backend!r}")
         if not isinstance(self.routing_input_mode, RoutingInputMode):
             fail(f"routing_input_mode must be a RoutingInputMode, got {self.routing_input_mode!r}")
+        for name in ("num_experts", "hidden_size", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or value < 1:
+                fail(f"{name} must be a positive int, got {value!r}")
         if not 1 <= self.top_k <= self.num_experts:
             fail(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
         local = self.experts_here

@@ -244,7 +244,11 @@ def prepare_weights(w1_gate_up: torch.Tensor, w2: torch.Tensor,
         _fail(fn, f"the bf16 family takes bfloat16 weights, got {w1_gate_up.dtype} and {w2.dtype}")
     if family == "bf16" and any(s is not None for s in (w1_scale, w2_scale, fc1_input_scale, fc2_input_scale)):
         _fail(fn, "the bf16 family takes no scales")
-    limit = torch.as_tensor(gemm1_clamp_limit, dtype=torch.float32, device=w1_gate_up.device)
+    try:
+        limit = torch.as_tensor(gemm1_clamp_limit, dtype=torch.float32, device=w1_gate_up.device)
+    except (TypeError, ValueError, RuntimeError):
+        _fail(fn, f"gemm1_clamp_limit must be a number, a sequence of numbers or a tensor, got "
+                  f"{type(gemm1_clamp_limit).__name__}", TypeError)
     limit = limit.expand(e_local).contiguous() if limit.dim() == 0 else limit.contiguous()
     if list(limit.shape) != [e_local]:
         _fail(fn, f"gemm1_clamp_limit must be a number or [E_local={e_local}] limits, got shape {list(limit.shape)}")
@@ -369,6 +373,20 @@ def _check_routing_inputs(fn: str, router_logits, topk_ids, topk_weights) -> tor
     return router_logits if router_logits is not None else topk_ids
 
 
+def _check_routing_rows(fn: str, hidden_states: torch.Tensor, router_logits, topk_ids, topk_weights) -> None:
+    """A routing input row per token of hidden_states (the ops would only see mismatched internal sizes)."""
+    for name, t in (("router_logits", router_logits), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t is not None and (t.dim() != 2 or t.shape[0] != hidden_states.shape[0]):
+            _fail(fn, f"{name} must have a row per token of hidden_states ({hidden_states.shape[0]}), got shape "
+                      f"{list(t.shape)}")
+
+
+def _check_routed_tokens(fn: str, hidden_states: torch.Tensor, routed: "RoutingOutput") -> None:
+    if routed.expert_ids.shape[0] != hidden_states.shape[0]:
+        _fail(fn, f"routed is the routing of {routed.expert_ids.shape[0]} tokens, hidden_states has "
+                  f"{hidden_states.shape[0]}")
+
+
 def routing(router_logits: Optional[torch.Tensor] = None, *, topk_ids: Optional[torch.Tensor] = None,
             topk_weights: Optional[torch.Tensor] = None, top_k: int, num_experts: int,
             num_local_experts: Optional[int] = None, local_expert_offset: int = 0, tile_size: int = 128) -> RoutingOutput:
@@ -409,6 +427,7 @@ def fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: RoutingOut
     warn_experimental(_FEATURE)
     weights = _check_weights("fc1", weights)
     _check_hidden_states("fc1", hidden_states, weights, hidden_states_scale)
+    _check_routed_tokens("fc1", hidden_states, routed)
     x, x_scale = hidden_states, _fc1_input_scale(hidden_states, weights, hidden_states_scale)
     if _fc1_quantizes_first(hidden_states, weights):
         x, x_scale = torch.ops.cake.quantize_fp8(hidden_states, weights.fc1_input_scale)
@@ -499,6 +518,7 @@ def stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights, router_log
     warn_experimental(_FEATURE)
     weights = _check_weights("stepfun_moe", weights)
     _check_hidden_states("stepfun_moe", hidden_states, weights, hidden_states_scale)
+    _check_routing_rows("stepfun_moe", hidden_states, router_logits, topk_ids, topk_weights)
     plan = _plan("stepfun_moe", plan, weights, hidden_states, top_k, do_finalize)
     if plan.stages == LAYER_STAGES:
         _check_layer_routing("stepfun_moe", router_logits, topk_ids, topk_weights, top_k, weights)
@@ -598,6 +618,7 @@ def prepare_fc1(hidden_states: torch.Tensor, weights: StepFunWeights, routed: Ro
     warn_experimental(_FEATURE)
     weights = _check_weights("prepare_fc1", weights)
     _check_hidden_states("prepare_fc1", hidden_states, weights, hidden_states_scale)
+    _check_routed_tokens("prepare_fc1", hidden_states, routed)
     rows, hint = routed.expert_ids.numel(), _expected_routes(routed, weights)
     x = QuantizedActivations(hidden_states, _fc1_input_scale(hidden_states, weights, hidden_states_scale))
     quantize_first = _fc1_quantizes_first(hidden_states, weights)
@@ -697,6 +718,7 @@ def prepare_stepfun_moe(hidden_states: torch.Tensor, weights: StepFunWeights,
     if hidden_states.dim() != 2 or hidden_states.shape[1] != weights.hidden or not hidden_states.is_contiguous():
         _fail("prepare_stepfun_moe", f"hidden_states must be a contiguous [num_tokens, hidden={weights.hidden}] "
                                      f"tensor, got {list(hidden_states.shape)}")
+    _check_routing_rows("prepare_stepfun_moe", hidden_states, router_logits, topk_ids, topk_weights)
     plan = _plan("prepare_stepfun_moe", plan, weights, hidden_states, top_k, do_finalize, prepared=True)
     if plan.stages == LAYER_STAGES:  # one unit, the routing included
         _check_hidden_states("prepare_stepfun_moe", hidden_states, weights, hidden_states_scale)

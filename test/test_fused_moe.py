@@ -407,3 +407,16 @@ def test_fused_moe_module_errors():
     block = SparseMoeBlock(64, 64, 4, 2, ("w1", "w3", "w2"), True)
     with pytest.raises(ValueError, match=r"the shard \[2, 6\) is not within the block's 4 experts"):
         cake_ops_nn.FusedMoE.from_sparse_moe_block(block, num_local_experts=4, local_expert_offset=2)
+    with pytest.raises(ValueError, match=r"the block must have a router `gate` with a weight \[E, H\] and `experts`"):
+        cake_ops_nn.FusedMoE.from_sparse_moe_block(torch.nn.Linear(64, 4))
+    with pytest.raises(ValueError, match=r"FusedMoE: top_k must be in \[1, num_experts=4\], got 5"):
+        cake_ops_nn.FusedMoE(64, 64, 4, 5)
+    with pytest.raises(ValueError, match=r"FusedMoE: the shard \[3, 5\) must lie within \[0, num_experts=4\)"):
+        cake_ops_nn.FusedMoE(64, 64, 4, 2, num_local_experts=2, local_expert_offset=3)
+    with pytest.raises(ValueError, match="FusedMoE: needs hidden_size % 64 == 0 and intermediate_size % 32 == 0, got 64 and 48"):
+        cake_ops_nn.FusedMoE(64, 48, 4, 2)
+    moe = cake_ops_nn.FusedMoE(64, 64, 4, 2)
+    with pytest.raises(ValueError, match=r"FusedMoE.load_experts: down_weight must be \[4, 64, 64\], got \[4, 64, 32\]"):
+        moe.load_experts(torch.zeros(4, 64, 64), torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
+    with pytest.raises(ValueError, match=r"FusedMoE: hidden_states must be \[..., hidden=64\] torch.bfloat16, got \[2, 3, 64\] torch.float32"):
+        moe(torch.zeros(2, 3, 64))

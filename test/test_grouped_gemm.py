@@ -321,6 +321,17 @@ def test_autotune_context_on_cpu_is_a_no_op(tmp_path):
     assert json.loads(cache.read_text())["grouped_gemm"] == {}
 
 
+def test_load_tuning_rejects_other_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="cake_ops.load_tuning: .*bad.json is not JSON"):
+        cake_ops.load_tuning(str(bad))
+    for text in ("[1, 2]", json.dumps({"grouped_gemm": [1]})):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match="is not a tuning file written by cake_ops.save_tuning"):
+            cake_ops.load_tuning(str(bad))
+
+
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_tactic_for"), reason="built without CUDA kernels")
 def test_tuning_files_are_kept_per_kind_of_gpu(tmp_path, monkeypatch):
     """A cache tuned on one card is not applied on another (no GPU needed: the names are faked)."""

@@ -139,7 +139,13 @@ def load_tuning(path: str) -> int:
     tuned on another kind of GPU is skipped with a warning: the winners differ between cards (an
     H100's and an H200's tiles do, benchmarks/NOTES.md session 50)."""
     with open(path) as f:
-        tuning = json.load(f)
+        try:
+            tuning = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"cake_ops.load_tuning: {path} is not JSON ({e})") from None
+    if not (isinstance(tuning, dict) and isinstance(tuning.get("grouped_gemm", {}), dict)):
+        raise ValueError(f"cake_ops.load_tuning: {path} is not a tuning file written by cake_ops.save_tuning / "
+                         "autotune(cache_file=...): expected an object with a \"grouped_gemm\" object")
     tuned_on, here = tuning.get("device"), _device_name()
     if tuned_on is not None and here is not None and tuned_on != here:
         warnings.warn(f"cake_ops.load_tuning: {path} was tuned on {tuned_on}, this is {here}: not loaded "

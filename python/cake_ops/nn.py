@@ -36,12 +36,20 @@ class FusedMoE(torch.nn.Module):
                  local_expert_offset: int = 0, use_fused_finalize: bool = True,
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
+        e_local = num_experts if num_local_experts is None else num_local_experts
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"FusedMoE: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if not (1 <= e_local and 0 <= local_expert_offset <= num_experts - e_local):
+            raise ValueError(f"FusedMoE: the shard [{local_expert_offset}, {local_expert_offset + e_local}) must lie "
+                             f"within [0, num_experts={num_experts})")
+        if hidden_size % 64 or intermediate_size % 32 or hidden_size < 64 or intermediate_size < 32:
+            raise ValueError(f"FusedMoE: needs hidden_size % 64 == 0 and intermediate_size % 32 == 0, got "
+                             f"{hidden_size} and {intermediate_size}")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
+        self.num_local_experts = e_local
         self.local_expert_offset = local_expert_offset
         self.use_fused_finalize = use_fused_finalize
         self.gate = torch.nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
-        e_local = self.num_local_experts
         # w1: [E_local, 2I, H] up/gate interleaved at 32 rows (interleave_up_gate_sm90); w2: [E_local, H, I].
         self.register_buffer("w1", torch.zeros(e_local, 2 * intermediate_size, hidden_size, dtype=dtype, device=device))
         self.register_buffer("w2", torch.zeros(e_local, hidden_size, intermediate_size, dtype=dtype, device=device))
@@ -49,6 +57,12 @@ class FusedMoE(torch.nn.Module):
     def load_experts(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
         """Per-expert weights of this shard in nn.Linear layout: gate and up ``[E_local, I, H]``,
         down ``[E_local, H, I]``."""
+        e_local, two_i, hidden = self.w1.shape
+        expected = {"gate_weight": [e_local, two_i // 2, hidden], "up_weight": [e_local, two_i // 2, hidden],
+                    "down_weight": [e_local, hidden, two_i // 2]}
+        for (name, shape), t in zip(expected.items(), (gate_weight, up_weight, down_weight)):
+            if list(t.shape) != shape:
+                raise ValueError(f"FusedMoE.load_experts: {name} must be {shape}, got {list(t.shape)}")
         w1 = interleave_up_gate_sm90(torch.cat([gate_weight, up_weight], dim=1))
         self.w1.copy_(w1)
         self.w2.copy_(down_weight)
@@ -61,6 +75,11 @@ class FusedMoE(torch.nn.Module):
         (``block.gate`` and ``block.experts[i].{gate_proj, up_proj, down_proj}`` or ``{w1, w3, w2}``);
         top_k and norm_topk_prob default to the block's own (``top_k``, ``norm_topk_prob``;
         renormalised when the block has no such flag, as Mixtral)."""
+        gate_w = getattr(getattr(block, "gate", None), "weight", None)
+        if not (isinstance(gate_w, torch.Tensor) and gate_w.dim() == 2
+                and isinstance(getattr(block, "experts", None), torch.nn.ModuleList)):
+            raise ValueError("FusedMoE.from_sparse_moe_block: the block must have a router `gate` with a weight "
+                             f"[E, H] and `experts` as a ModuleList of per-expert MLPs, got {type(block).__name__}")
         experts = list(block.experts)
         names = next((n for n in _EXPERT_NAMES if all(hasattr(experts[0], a) for a in n)), None)
         if names is None:
@@ -70,7 +89,6 @@ class FusedMoE(torch.nn.Module):
         if top_k is None:
             raise ValueError("FusedMoE.from_sparse_moe_block: the block has no top_k attribute; pass top_k")
         norm = norm_topk_prob if norm_topk_prob is not None else getattr(block, "norm_topk_prob", True)
-        gate_w = block.gate.weight
         num_experts, hidden = gate_w.shape
         e_local = num_experts if num_local_experts is None else num_local_experts
         shard = experts[local_expert_offset:local_expert_offset + e_local]
@@ -97,6 +115,9 @@ class FusedMoE(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
+        if shape[-1] != self.w1.shape[2] or hidden_states.dtype != self.w1.dtype:
+            raise ValueError(f"FusedMoE: hidden_states must be [..., hidden={self.w1.shape[2]}] {self.w1.dtype}, got "
+                             f"{list(shape)} {hidden_states.dtype}")
         x = hidden_states.reshape(-1, shape[-1]).contiguous()
         logits, ids, weights = self.route(x)
         out = fused_moe_bf16(x, ids, weights, self.w1, self.w2, self.num_experts, self.top_k,

@@ -736,6 +736,31 @@ class TestMoeGemm1InverseErrors(OpErrorCase):
             self.op(*(a.to("meta") for a in args[:4]), 2, expanded_to_permuted=e2p[:6].to("meta"))
 
 
+class TestMoeIndexValuesOnCpu(OpErrorCase):
+    """The CPU raises what the CUDA kernels stop on with a device-side assert (test_bad_gather_indices_on_gpu_fail_loudly)."""
+
+    def test_errors(self):
+        x, ids, scales, w1, w2 = moe_problem(4, 2, 4, 4, 64, 32, "cpu", torch.bfloat16)
+        _, offsets, p2e, e2p, _ = torch.ops.cake.moe_sort(ids, 4, 4, 0, 64)
+        w1 = interleave_up_gate_sm90(w1)
+        self.op = torch.ops.cake.moe_gemm1_swiglu
+        bad = p2e.clone()
+        bad[3] = 8
+        self.assertExpectedInline(self.error(x, w1, bad, offsets, 2), """cake::moe_gemm1_swiglu: permuted_to_expanded must hold route indices in [0, num_tokens * top_k) for the rows below expert_offsets[E]; num_tokens * top_k = 8, got values in [0, 8]""")
+        self.assertExpectedInline(self.error(x, w1, p2e, torch.tensor([0, 2, 1, 8, 8], dtype=torch.int32), 2), """cake::moe_gemm1_swiglu: group ends must be non-decreasing, got 1 after 2 at group 1""")
+        self.op = torch.ops.cake.moe_gemm2
+        inter = torch.randn(8, 32).bfloat16()
+        self.assertExpectedInline(self.error(inter, w2, torch.tensor([0, 2, 4, 6, 9], dtype=torch.int32)), """cake::moe_gemm2: group end 9 at group 3 is past the 8 packed rows""")
+        self.op = torch.ops.cake.moe_finalize
+        rows = torch.randn(8, 64).bfloat16()
+        bad = e2p.clone()
+        bad[0] = 8
+        self.assertExpectedInline(self.error(rows, bad, scales), """cake::moe_finalize: expanded_to_permuted must hold -1 or row indices below permuted_rows.size(0) = 8, got values in [0, 8]""")
+        self.op = torch.ops.cake.moe_finalize_out
+        bad[0] = -2
+        self.assertExpectedInline(self.error(rows, bad, scales, torch.empty(4, 64).bfloat16()), """cake::moe_finalize_out: expanded_to_permuted must hold -1 or row indices below permuted_rows.size(0) = 8, got values in [-2, 7]""")
+
+
 def test_interleave_up_gate_sm90():
     e, inter, h = 3, 96, 16
     w = torch.randn(e, 2 * inter, h)

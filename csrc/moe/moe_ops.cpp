@@ -28,6 +28,30 @@ at::Tensor row_experts(const at::Tensor& expert_offsets, int64_t rows) {
       .clamp_max(ends.size(0) - 1);
 }
 
+// The CPU reads index values on the host, so it raises what the CUDA kernels stop on with a
+// device-side assert (the same words): indices out of range, expert offsets out of order.
+void check_index_range(const at::Tensor& indices, int64_t lowest, int64_t limit, const char* what, const char* op) {
+  if (indices.numel() == 0) return;
+  const auto [lo, hi] = at::aminmax(indices);
+  const int64_t min = lo.item<int64_t>(), max = hi.item<int64_t>();
+  TORCH_CHECK(min >= lowest && max < limit, op, ": ", what, " = ", limit, ", got values in [", min, ", ", max, "]");
+}
+
+void check_finalize_indices(const at::Tensor& expanded_to_permuted, const at::Tensor& permuted_rows, const char* op) {
+  check_index_range(expanded_to_permuted, -1, permuted_rows.size(0),
+                    "expanded_to_permuted must hold -1 or row indices below permuted_rows.size(0)", op);
+}
+
+void check_expert_offsets(const at::Tensor& expert_offsets, int64_t rows, int64_t n, int64_t k, const char* op) {
+  GroupedGemmShape shape;
+  shape.num_groups = expert_offsets.size(0) - 1;
+  shape.sum_m = rows;
+  shape.n = n;
+  shape.k = k;
+  shape.indptr = true;
+  host_group_bounds(expert_offsets, shape, op);
+}
+
 // A MoE GEMM's grouped GEMM, dequantize-then-multiply for fp8: the e4m3 values exactly in
 // float32, the product of expert e scaled by a_scale * w_scale[e] in float32, rounded to
 // bfloat16 (the CUDA kernels' epilogue).
@@ -95,6 +119,10 @@ at::Tensor gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Ten
                         const c10::optional<at::Tensor>& expanded_to_permuted /*checked; the CPU needs none*/,
                         const at::Tensor* out, const at::Tensor* workspace, const char* op) {
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
+  check_expert_offsets(expert_offsets, s.rows, w1.size(1), w1.size(2), op);
+  check_index_range(permuted_to_expanded.slice(0, 0, expert_offsets[-1].item<int64_t>()), 0, x.size(0) * top_k,
+                    "permuted_to_expanded must hold route indices in [0, num_tokens * top_k) for the rows below "
+                    "expert_offsets[E]; num_tokens * top_k", op);
   check_expected_routes(expected_routes, op);
   const auto input = check_moe_gemm_input(x, x_scale, w1, w1_scale, "x", "w1", op);
   if (clamp_limits) check_clamp_limits(*clamp_limits, w1.size(0), x, op);
@@ -203,7 +231,8 @@ at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const
                      const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes) {
   const char* op = "cake::moe_gemm2";
   check_expected_routes(expected_routes, op);
-  check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  const auto shape = check_fwd(intermediate, w2, expert_offsets, op, /*allow_e4m3=*/true);
+  host_group_bounds(expert_offsets, shape, op);
   const auto input = check_moe_gemm_input(intermediate, a_scale, w2, w2_scale, "intermediate", "w2", op);
   if (input == MoeGemmInput::kQuantizeA) {
     const auto [a, scale] = quantize_fp8(intermediate, a_scale);
@@ -225,6 +254,7 @@ void moe_gemm2_out(const at::Tensor& intermediate, const at::Tensor& w2, const a
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                         const at::Tensor& token_final_scales, bool /*enable_pdl*/) {
   const auto s = check_moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, "cake::moe_finalize");
+  check_finalize_indices(expanded_to_permuted, permuted_rows, "cake::moe_finalize");
   const auto rows = permuted_rows.index_select(0, expanded_to_permuted.clamp_min(0).to(at::kLong))
                         .to(at::kFloat)
                         .view({s.num_tokens, s.top_k, s.hidden});
@@ -239,6 +269,7 @@ void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expande
   const char* op = "cake::moe_finalize_out";
   const auto s = check_moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, op);
   check_moe_finalize_out(out, s, permuted_rows, op);
+  check_finalize_indices(expanded_to_permuted, permuted_rows, op);
   out.copy_(moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, enable_pdl));
 }
 

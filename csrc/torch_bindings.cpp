@@ -102,7 +102,8 @@ TORCH_LIBRARY(cake, m) {
       "Tensor? a_scale=None, Tensor? w2_scale=None, SymInt expected_routes=-1) -> Tensor");
   // Per-tensor fp8 quantization: out = e4m3(clamp(x / scale, -448, 448)), rounded to nearest even,
   // in float32. scale None: a dynamic scale, max(amax(|x|), 1e-12) / 448, computed on the device.
-  // Returns (out, the scale used).
+  // Returns (out, the scale used). A given scale must be positive and finite: on CUDA it stays on the
+  // device and is not checked (the Python API checks static scales where it takes them).
   m.def("quantize_fp8(Tensor x, Tensor? scale=None) -> (Tensor out, Tensor scale)");
   m.def("quantize_fp8_out(Tensor x, Tensor? scale, Tensor(a!) out, Tensor(b!) scale_out) -> ()");
   // Weighted combine into token order: out[t] = sum_j scales[t, j] * permuted_rows[p(t, j)] over

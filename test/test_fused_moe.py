@@ -318,6 +318,11 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.error(gemm2_cluster_shape_mn=(1, 2), gemm2_tile_n=128), """cake_ops.fused_moe_bf16: gemm2_cluster_shape_mn=(1, 2) needs an even number of GEMM2 N tiles, got hidden=128 / gemm2_tile_n=128 = 1""")
         self.assertExpectedInline(self.error(w2_weight=torch.zeros(8, 96, 128).bfloat16().transpose(1, 2)), """cake_ops.fused_moe_bf16: w2_weight must be contiguous (prepare it once with the model's weights)""")
         self.assertExpectedInline(self.error(gemm2_raster_along_m=1), """cake_ops.fused_moe_bf16: gemm2_raster_along_m must be a bool or None, got 1""")
+        with self.assertRaisesRegex(TypeError, "cake_ops.fused_moe_bf16: token_selected_experts must be a tensor, got list"):
+            fused_moe_bf16(torch.zeros(64, 128).bfloat16(), [[0, 1]] * 64, torch.zeros(64, 2), torch.zeros(8, 192, 128).bfloat16(),
+                           torch.zeros(8, 128, 96).bfloat16(), 8, 2)
+        with self.assertRaisesRegex(TypeError, "interleave_up_gate_sm90: w_gate_up must be a tensor, got list"):
+            interleave_up_gate_sm90([[0.0]])
 
     def test_out_of_range_expert_ids_contribute_zero(self):
         x, ids, scales, w1, w2, e, k, e_local, offset = problem("top2", "cpu", torch.bfloat16)

@@ -321,6 +321,12 @@ def test_autotune_context_on_cpu_is_a_no_op(tmp_path):
     assert json.loads(cache.read_text())["grouped_gemm"] == {}
 
 
+def test_autotune_cache_file_folder_is_checked_on_entry(tmp_path):
+    with pytest.raises(FileNotFoundError, match="cake_ops.autotune: cache_file .* is in no existing folder"):
+        with cake_ops.autotune(cache_file=str(tmp_path / "missing" / "tuning.json")):
+            pass
+
+
 def test_load_tuning_rejects_other_files(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("not json")

@@ -174,6 +174,10 @@ def clear_tuning() -> None:
 def autotune(enabled: bool = True, cache_file: Optional[str] = None):
     """Profile tactics for new shape buckets while the context is open (see the module doc)."""
     global _enabled
+    folder = os.path.dirname(os.path.abspath(cache_file)) if cache_file else None
+    if folder is not None and enabled and not os.path.isdir(folder):
+        # Said before the tuning runs, not when the context closes and its results cannot be saved.
+        raise FileNotFoundError(f"cake_ops.autotune: cache_file {cache_file!r} is in no existing folder ({folder})")
     if cache_file and os.path.exists(cache_file):
         load_tuning(cache_file)
     previous, _enabled = _enabled, enabled

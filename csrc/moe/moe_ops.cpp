@@ -42,14 +42,25 @@ void check_finalize_indices(const at::Tensor& expanded_to_permuted, const at::Te
                     "expanded_to_permuted must hold -1 or row indices below permuted_rows.size(0)", op);
 }
 
-void check_expert_offsets(const at::Tensor& expert_offsets, int64_t rows, int64_t n, int64_t k, const char* op) {
+// m_indptr [E + 1] over `rows` permuted rows, checked; returns the rows the experts hold (its last end).
+int64_t check_expert_offsets(const at::Tensor& expert_offsets, int64_t rows, const char* op) {
   GroupedGemmShape shape;
   shape.num_groups = expert_offsets.size(0) - 1;
   shape.sum_m = rows;
-  shape.n = n;
-  shape.k = k;
   shape.indptr = true;
-  host_group_bounds(expert_offsets, shape, op);
+  return host_group_bounds(expert_offsets, shape, op).back();
+}
+
+// moe_finalize's combine on checked arguments.
+at::Tensor combine_routes(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
+                          const at::Tensor& token_final_scales, const MoeFinalizeShape& s) {
+  const auto rows = permuted_rows.index_select(0, expanded_to_permuted.clamp_min(0).to(at::kLong))
+                        .to(at::kFloat)
+                        .view({s.num_tokens, s.top_k, s.hidden});
+  const auto kept = expanded_to_permuted.view({s.num_tokens, s.top_k}) >= 0;
+  const auto scales = at::where(kept, token_final_scales, at::zeros_like(token_final_scales));
+  // One fp32 sum over the k routes of a token, in a fixed order: bitwise reproducible.
+  return (rows * scales.unsqueeze(-1)).sum(1).to(permuted_rows.scalar_type());
 }
 
 // A MoE GEMM's grouped GEMM, dequantize-then-multiply for fp8: the e4m3 values exactly in
@@ -119,8 +130,8 @@ at::Tensor gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Ten
                         const c10::optional<at::Tensor>& expanded_to_permuted /*checked; the CPU needs none*/,
                         const at::Tensor* out, const at::Tensor* workspace, const char* op) {
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
-  check_expert_offsets(expert_offsets, s.rows, w1.size(1), w1.size(2), op);
-  check_index_range(permuted_to_expanded.slice(0, 0, expert_offsets[-1].item<int64_t>()), 0, x.size(0) * top_k,
+  const int64_t routed_rows = check_expert_offsets(expert_offsets, s.rows, op);
+  check_index_range(permuted_to_expanded.slice(0, 0, routed_rows), 0, x.size(0) * top_k,
                     "permuted_to_expanded must hold route indices in [0, num_tokens * top_k) for the rows below "
                     "expert_offsets[E]; num_tokens * top_k", op);
   check_expected_routes(expected_routes, op);
@@ -255,22 +266,16 @@ at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expan
                         const at::Tensor& token_final_scales, bool /*enable_pdl*/) {
   const auto s = check_moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, "cake::moe_finalize");
   check_finalize_indices(expanded_to_permuted, permuted_rows, "cake::moe_finalize");
-  const auto rows = permuted_rows.index_select(0, expanded_to_permuted.clamp_min(0).to(at::kLong))
-                        .to(at::kFloat)
-                        .view({s.num_tokens, s.top_k, s.hidden});
-  const auto kept = expanded_to_permuted.view({s.num_tokens, s.top_k}) >= 0;
-  const auto scales = at::where(kept, token_final_scales, at::zeros_like(token_final_scales));
-  // One fp32 sum over the k routes of a token, in a fixed order: bitwise reproducible.
-  return (rows * scales.unsqueeze(-1)).sum(1).to(permuted_rows.scalar_type());
+  return combine_routes(permuted_rows, expanded_to_permuted, token_final_scales, s);
 }
 
 void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
-                      const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl) {
+                      const at::Tensor& token_final_scales, at::Tensor out, bool /*enable_pdl*/) {
   const char* op = "cake::moe_finalize_out";
   const auto s = check_moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, op);
   check_moe_finalize_out(out, s, permuted_rows, op);
   check_finalize_indices(expanded_to_permuted, permuted_rows, op);
-  out.copy_(moe_finalize(permuted_rows, expanded_to_permuted, token_final_scales, enable_pdl));
+  out.copy_(combine_routes(permuted_rows, expanded_to_permuted, token_final_scales, s));
 }
 
 void moe_gemm2_finalize_out(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,

@@ -143,7 +143,8 @@ def load_tuning(path: str) -> int:
             tuning = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"cake_ops.load_tuning: {path} is not JSON ({e})") from None
-    if not (isinstance(tuning, dict) and isinstance(tuning.get("grouped_gemm", {}), dict)):
+    entries = tuning.get("grouped_gemm", {}) if isinstance(tuning, dict) else None
+    if not isinstance(entries, dict):
         raise ValueError(f"cake_ops.load_tuning: {path} is not a tuning file written by cake_ops.save_tuning / "
                          "autotune(cache_file=...): expected an object with a \"grouped_gemm\" object")
     tuned_on, here = tuning.get("device"), _device_name()
@@ -151,7 +152,6 @@ def load_tuning(path: str) -> int:
         warnings.warn(f"cake_ops.load_tuning: {path} was tuned on {tuned_on}, this is {here}: not loaded "
                       "(tune again under cake_ops.autotune())", stacklevel=2)
         return 0
-    entries = tuning.get("grouped_gemm", {})
     return sum(_record(key, name) for key, name in entries.items()) if _has_tactics() else 0
 
 

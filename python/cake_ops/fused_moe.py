@@ -83,9 +83,6 @@ def layer_fits(routes: int, hidden: int, intermediate: int, weight_bytes: int) -
                                        and routes * intermediate <= _DECODE_MAX_AMAX_ELEMENTS)))
 
 
-_OPERAND_NAMES = ("x", "token_selected_experts", "token_final_scales", "w1_weight", "w2_weight")
-
-
 def interleave_up_gate_sm90(w_gate_up: torch.Tensor) -> torch.Tensor:
     """Gate-first ``[E, 2I, H]`` weights (``[gate; up]``) -> the SM90 kernel's order, interleaved at
     32 rows: ``[up 0:32 | gate 0:32 | up 32:64 | gate 32:64 | ...]``, so that one wgmma accumulator
@@ -223,10 +220,10 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     """
     warn_experimental("cake_ops.fused_moe")
     ids, scales = token_selected_experts, token_final_scales
-    operands = (x, ids, scales, w1_weight, w2_weight)
-    if not all(isinstance(t, torch.Tensor) for t in operands):
-        name, t = next((n, t) for n, t in zip(_OPERAND_NAMES, operands) if not isinstance(t, torch.Tensor))
-        raise TypeError(f"cake_ops.fused_moe_bf16: {name} must be a tensor, got {type(t).__name__}")
+    for name, t in (("x", x), ("token_selected_experts", ids), ("token_final_scales", scales),
+                    ("w1_weight", w1_weight), ("w2_weight", w2_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cake_ops.fused_moe_bf16: {name} must be a tensor, got {type(t).__name__}")
     _check(x.dim() == 2, lambda: f"x must be a 2-D [num_tokens, hidden] tensor, got shape {_shape(x)}")
     _check(x.dtype in (torch.bfloat16, torch.float16), lambda: f"x must be bfloat16 or float16, got {x.dtype}")
     num_tokens, hidden = x.shape

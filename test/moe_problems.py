@@ -1,5 +1,13 @@
-"""Routing cases and random MoE problems shared by the MoE op tests and the fused_moe_bf16 tests."""
+"""Shared test helpers: routing cases and random MoE problems (the MoE op and fused_moe_bf16 tests), and the
+relative error the GEMM tests compare by."""
 import torch
+
+
+def rel_err(out, expected):
+    """||out - expected|| / ||expected|| in float64, on expected's device; out must be finite."""
+    out, expected = out.double().to(expected.device), expected.double()
+    assert torch.isfinite(out).all(), "non-finite values in the output"
+    return ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 # name -> (num_tokens, top_k, num_experts, num_local_experts, local_expert_offset)
 ROUTING_CASES = {

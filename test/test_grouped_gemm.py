@@ -17,6 +17,7 @@ import torch._dynamo.testing
 import cake_ops
 from cake_ops import grouped_gemm as gg
 from cake_ops import reference as ref
+from moe_problems import rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
@@ -46,13 +47,6 @@ def make_offs(sizes, device, indptr=False):
 
 def rand(*shape, dtype, device):
     return torch.randn(*shape, dtype=torch.float32, device=device).to(dtype)
-
-
-def rel_err(out, expected):
-    out = out.double()
-    assert torch.isfinite(out).all(), "non-finite values in the output"
-    denom = expected.norm().item()
-    return (out - expected).norm().item() / max(denom, 1e-30)
 
 
 def tol(dtype):

@@ -12,7 +12,7 @@ from cake_ops import grouped_gemm as gg
 from cake_ops import reference as ref
 from cake_ops import stepfun_moe as sm
 from cake_ops.fused_moe import fused_moe_bf16, interleave_up_gate_sm90
-from moe_problems import moe_problem
+from moe_problems import moe_problem, rel_err
 
 tuning = importlib.import_module("cake_ops.autotune")  # the module (cake_ops.autotune is its context manager)
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -27,10 +27,6 @@ def current_device_is_the_first():
 
 def on(device, *tensors):
     return [t.to(device) for t in tensors]
-
-
-def rel_err(out, expected):
-    return ((out.double().cpu() - expected.double().cpu()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
 def grouped_problem():

@@ -223,6 +223,35 @@ def write_results(path, device, summary, rows, reps, sources=None):
         json.dump(result, f, indent=1)
 
 
+def add_output_args(p, from_json_help):
+    """The options every MoE benchmark shares: where it runs and where its results go."""
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--json", default="")
+    p.add_argument("--plot", default="")
+    p.add_argument("--from-json", default="",
+                   help="comma-separated JSON files of earlier runs (" + from_json_help + "): print, summarize and "
+                        "plot their rows instead of measuring")
+
+
+def report(args, run, header, print_row, summary_keys, series, panels):
+    """Measure (run(args) -> device, rows) or load --from-json runs, print the table, then write the JSON and
+    draw the plot (panels(rows) -> [(title, rows)]) where asked."""
+    warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
+    if not args.from_json:
+        print(floor_note())
+    print(header)
+    sources = None  # the merged runs' meta
+    if args.from_json:
+        device, rows, sources = load_runs(args.from_json, print_row)
+    else:
+        device, rows = run(args)
+    summary = summarize(rows, summary_keys)
+    if args.json:
+        write_results(args.json, device, summary, rows, args.reps, sources)
+    if args.plot:
+        plot_panels(panels(rows), series, args.plot)
+
+
 SUMMARY_KEYS = ("cake_x_floor", "speedup_vs_torch", "speedup_vs_torch_compiled", "det_over_fused")
 SERIES = [("cake_fused_graph_ms", "r-o"), ("cake_fused_ms", "r--"), ("cake_det_ms", "m:"), ("torch_ms", "b-s"),
           ("torch_compiled_ms", "c-^"), ("weight_floor_ms", "k:"), ("flop_floor_ms", "k-.")]
@@ -241,28 +270,13 @@ def main():
     p.add_argument("--autotune", nargs="?", const="", default=None, metavar="CACHE_FILE",
                    help="tune both paths' GEMMs under cake_ops.autotune() before timing each (model, T); "
                         "the winners go to CACHE_FILE when given")
-    p.add_argument("--cpu", action="store_true")
-    p.add_argument("--json", default="")
-    p.add_argument("--plot", default="")
-    p.add_argument("--from-json", default="",
-                   help="comma-separated JSON files of earlier runs (say, one per model where the compiled peer's "
-                        "compiles take a call each): print, summarize and plot their rows instead of measuring")
-    args = p.parse_args()
-    warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
-    if not args.from_json:
-        print(floor_note())
-    print(HEADER)
-    sources = None  # the merged runs' meta
-    if args.from_json:
-        device, rows, sources = load_runs(args.from_json, print_row)
-    else:
-        device, rows = run(args)
-    summary = summarize(rows, SUMMARY_KEYS)
-    if args.json:
-        write_results(args.json, device, summary, rows, args.reps, sources)
-    if args.plot:
-        models = sorted({r["model"] for r in rows}, key=[r["model"] for r in rows].index)
-        plot_panels([(m, [r for r in rows if r["model"] == m]) for m in models], SERIES, args.plot)
+    add_output_args(p, "say, one per model where the compiled peer's compiles take a call each")
+    report(p.parse_args(), run, HEADER, print_row, SUMMARY_KEYS, SERIES, panels_by_model)
+
+
+def panels_by_model(rows):
+    models = sorted({r["model"] for r in rows}, key=[r["model"] for r in rows].index)
+    return [(m, [r for r in rows if r["model"] == m]) for m in models]
 
 if __name__ == "__main__":
     main()

@@ -20,14 +20,12 @@ this build does not run yet print their error.
 """
 import argparse
 import dataclasses
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-import cake_ops
-from bench_fused_moe import dense_rate_for, load_runs, plot_panels, summarize, write_results
-from bench_grouped_gemm import HBM_TBPS, Timer, floor_note, fmt, seed_case
+from bench_fused_moe import add_output_args, dense_rate_for, report
+from bench_grouped_gemm import HBM_TBPS, Timer, fmt, seed_case
 from cake_ops import stepfun_moe as sm
 from cake_ops.fused_moe import fused_moe_bf16
 
@@ -156,6 +154,7 @@ def print_row(r):
           f" {fmt(r.get('over_bf16_family', r.get('over_bf16_static_scales')), '7.2f')}", flush=True)
 
 
+SUMMARY_KEYS = ("cake_x_floor", "speedup_vs_torch", "over_fused_moe_bf16", "over_bf16_family", "over_bf16_static_scales")
 SERIES = [("cake_graph_ms", "r-o"), ("cake_ms", "r--"), ("cake_prepared_ms", "m:"), ("torch_ms", "b-s"), ("fused_moe_bf16_graph_ms", "g-^"),
           ("weight_floor_ms", "k:"), ("flop_floor_ms", "k-.")]
 
@@ -167,30 +166,14 @@ def main():
     p.add_argument("--tokens", default="", help="comma-separated token counts")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--cpu", action="store_true")
-    p.add_argument("--json", default="")
-    p.add_argument("--plot", default="")
-    p.add_argument("--from-json", default="",
-                   help="comma-separated JSON files of earlier runs (say, the H200's, plotted where matplotlib is): "
-                        "print, summarize and plot their rows instead of measuring")
-    args = p.parse_args()
-    warnings.simplefilter("ignore", cake_ops.ExperimentalWarning)
-    if not args.from_json:
-        print(floor_note())
-    print(HEADER)
-    sources = None  # the merged runs' meta
-    if args.from_json:
-        device, rows, sources = load_runs(args.from_json, print_row)
-    else:
-        device, rows = run(args)
-    summary = summarize(rows, ("cake_x_floor", "speedup_vs_torch", "over_fused_moe_bf16", "over_bf16_family",
-                               "over_bf16_static_scales"))
-    if args.json:
-        write_results(args.json, device, summary, rows, args.reps, sources)
-    if args.plot:
-        keys = sorted({(r["shape"], r["family"]) for r in rows if "T" in r})
-        plot_panels([(f"{shape} {family}", [r for r in rows if (r["shape"], r["family"]) == (shape, family) and "T" in r])
-                     for shape, family in keys], SERIES, args.plot)
+    add_output_args(p, "say, the H200's, plotted where matplotlib is")
+    report(p.parse_args(), run, HEADER, print_row, SUMMARY_KEYS, SERIES, panels_by_shape_and_family)
+
+
+def panels_by_shape_and_family(rows):
+    keys = sorted({(r["shape"], r["family"]) for r in rows if "T" in r})
+    return [(f"{shape} {family}", [r for r in rows if (r["shape"], r["family"]) == (shape, family) and "T" in r])
+            for shape, family in keys]
 
 if __name__ == "__main__":
     main()

@@ -5,10 +5,9 @@ group; benchmarks/NOTES.md).
 
     python benchmarks/grouped_vs_dense.py
 """
-import sys, torch, cake_ops
+import torch, cake_ops
 from cake_ops import grouped_gemm as gg
 from bench_grouped_gemm import Timer, with_tactics
-from cake_ops.autotune import candidate_tactics
 torch.manual_seed(0)
 timer = Timer("cuda", reps=25, warmup=3)
 names = cake_ops._C.grouped_gemm_tactics("fwd")

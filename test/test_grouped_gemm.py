@@ -303,6 +303,110 @@ def test_compiles_once_for_any_row_count(device):
 
 
 # ----------------------------------------------------------------------------------------------
+# cake_ops.grouped_mm: torch._grouped_mm's arguments, ragged forms
+
+
+def ragged_k_reference(mat_a, mat_b, sizes):
+    """out[e] = mat_a[:, g] @ mat_b[g] in float64, differentiable."""
+    bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
+    return torch.stack([mat_a[:, b0:b1].double() @ mat_b[b0:b1].double() for b0, b1 in zip(bounds, bounds[1:])])
+
+
+GROUPED_MM_FORMS = ["weight_transposed", "weight_k_major", "ragged_k", "ragged_k_float32"]
+
+
+def grouped_mm_case(form, device, sizes=(0, 1, 130, 7, 0, 300, 64)):
+    """(mat_a, mat_b, offs, out_dtype, float64 reference function of mat_a and mat_b) as torch._grouped_mm
+    is called in an MoE layer's forward (ragged rows) and in its weight gradient (ragged K)."""
+    e, offs, rows = len(sizes), make_offs(list(sizes), device), sum(sizes)
+    if form.startswith("ragged_k"):
+        grad_out = rand(rows, 48, dtype=torch.bfloat16, device=device)
+        mat_a = grad_out.t()  # [N, sum_k]: the transposed view a backward pass hands over
+        mat_b = rand(rows, 40, dtype=torch.bfloat16, device=device)
+        return (mat_a, mat_b, offs, torch.float32 if form == "ragged_k_float32" else None,
+                lambda a, b: ragged_k_reference(a, b, sizes))
+    x = rand(rows + 5, 40, dtype=torch.bfloat16, device=device)
+    w = rand(e, 48, 40, dtype=torch.bfloat16, device=device)  # [E, N, K], as nn.Linear-style experts store it
+    mat_b = w.transpose(-2, -1) if form == "weight_transposed" else w.transpose(-2, -1).contiguous()
+    return x, mat_b, offs, None, lambda a, b: ref.grouped_gemm_fwd(a, b.transpose(-2, -1), offs)
+
+
+@pytest.mark.parametrize("form", GROUPED_MM_FORMS)
+def test_grouped_mm_matches_float64_with_gradients(device, form):
+    mat_a, mat_b, offs, out_dtype, reference = grouped_mm_case(form, device)
+    a, b = mat_a.detach().requires_grad_(), mat_b.detach().requires_grad_()
+    out = cake_ops.grouped_mm(a, b, offs, out_dtype=out_dtype)
+    assert out.dtype == (out_dtype or torch.bfloat16)
+    grad = rand(*out.shape, dtype=out.dtype, device=device)
+    out.backward(grad)
+    a64, b64 = mat_a.detach().double().requires_grad_(), mat_b.detach().double().requires_grad_()
+    expected = reference(a64, b64)
+    expected.backward(grad.double())
+    assert rel_err(out, expected.detach()) < 1e-2
+    assert rel_err(a.grad, a64.grad) < 1e-2
+    assert rel_err(b.grad, b64.grad) < 1e-2
+    assert a.grad.shape == mat_a.shape and b.grad.shape == mat_b.shape
+
+
+@pytest.mark.parametrize("form", ["weight_transposed", "weight_k_major", "ragged_k"])
+def test_grouped_mm_agrees_with_torch_grouped_mm(device, form):
+    mat_a, mat_b, offs, _, _ = grouped_mm_case(form, device, sizes=(8, 0, 24, 16))  # torch's 16-byte rule on K
+    ours, theirs = cake_ops.grouped_mm(mat_a, mat_b, offs), torch._grouped_mm(mat_a, mat_b, offs=offs)
+    rows = int(offs[-1]) if form != "ragged_k" else ours.shape[0]  # torch leaves rows past the last group unset
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    assert rel_err(ours[:rows], theirs[:rows].double()) < 1e-2
+
+
+@pytest.mark.parametrize("form, kernel", [("weight_transposed", "cake.grouped_gemm_fwd.default"),
+                                          ("weight_k_major", "cake.grouped_gemm_dgrad.default"),
+                                          ("ragged_k", "cake.grouped_gemm_wgrad.default")])
+def test_grouped_mm_runs_one_kernel_and_copies_no_weights(form, kernel):
+    """Each form is one op on the caller's tensors (through views): no transposed copy of the weights (or of
+    grad_out)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    mat_a, mat_b, offs, _, _ = grouped_mm_case(form, "cpu")
+    with Record() as record:
+        cake_ops.grouped_mm(mat_a, mat_b, offs)
+    assert record.ops == [kernel], record.ops
+
+
+def test_grouped_mm_compiles_with_backward(device):
+    torch._dynamo.reset()
+    sizes = [40, 0, 1, 23]
+    offs = make_offs(sizes, device)
+    w1 = (rand(4, 48, 32, dtype=torch.bfloat16, device=device) * 0.1).requires_grad_()
+    w2 = (rand(4, 32, 48, dtype=torch.bfloat16, device=device) * 0.1).requires_grad_()
+
+    def experts(x):  # torchtitan's grouped experts, with cake_ops.grouped_mm for torch._grouped_mm
+        h = torch.nn.functional.silu(cake_ops.grouped_mm(x, w1.transpose(-2, -1), offs))
+        return cake_ops.grouped_mm(h, w2.transpose(-2, -1), offs)
+
+    def step(fn, x):
+        w1.grad = w2.grad = None
+        x = x.detach().requires_grad_()
+        out = fn(x)
+        out.float().square().mean().backward()
+        return out.detach(), x.grad, w1.grad, w2.grad
+
+    x = rand(sum(sizes) + 3, 32, dtype=torch.bfloat16, device=device)
+    eager = step(experts, x)
+    compiled = step(torch.compile(experts, fullgraph=True), x)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
 # Autotuning
 
 
@@ -645,6 +749,27 @@ class TestErrors(expecttest.TestCase):
         with self.assertRaises(TypeError) as ctx:
             gg.cake_grouped_mm(self.x.tolist(), self.w, self.offs)
         self.assertExpectedInline(str(ctx.exception), """cake_grouped_mm: x, w and offs must be tensors, got list, Tensor and Tensor""")
+
+    def test_grouped_mm(self):
+        mat_b = self.w.transpose(-2, -1)
+
+        def error(*args, **kwargs):
+            with self.assertRaises((TypeError, ValueError, RuntimeError)) as ctx:
+                cake_ops.grouped_mm(*args, **kwargs)
+            return str(ctx.exception)
+
+        self.assertExpectedInline(error(self.x, mat_b), """cake_ops.grouped_mm: mat_a, mat_b and offs must be tensors (the ragged forms need offs), got Tensor, Tensor and NoneType""")
+        self.assertExpectedInline(error(self.x, mat_b, self.offs, bias=torch.zeros(8)), """cake_ops.grouped_mm: bias is not supported, got a Tensor; add it to the output""")
+        self.assertExpectedInline(error(self.x.float(), mat_b, self.offs), """cake_ops.grouped_mm: mat_a and mat_b must have one dtype, got torch.float32 and torch.bfloat16""")
+        self.assertExpectedInline(error(self.x, mat_b, self.offs.long()), """cake_ops.grouped_mm: offs must be a 1-D int32 tensor of group ends, got torch.int64 [3]""")
+        self.assertExpectedInline(error(self.x, mat_b, self.offs, out_dtype=torch.float32), """cake_ops.grouped_mm: the [sum_m, K] x [E, K, N] form returns mat_a's dtype torch.bfloat16, got out_dtype=torch.float32""")
+        self.assertExpectedInline(error(self.x, mat_b, self.offs[:2]), """cake_ops.grouped_mm: mat_a [sum_m, K], mat_b [E, K, N] and offs [E] must agree, got [10, 16], [3, 16, 8] and [2]""")
+        self.assertExpectedInline(error(self.x[:, :8], mat_b, self.offs), """cake_ops.grouped_mm: mat_a [sum_m, K], mat_b [E, K, N] and offs [E] must agree, got [10, 8], [3, 16, 8] and [3]""")
+        self.assertExpectedInline(error(self.g.t(), self.x[:9], self.offs), """cake_ops.grouped_mm: mat_a [M, sum_k] and mat_b [sum_k, N] must agree on sum_k, got [8, 10] and [9, 16]""")
+        self.assertExpectedInline(error(self.g.t(), self.x, self.offs, out_dtype=torch.float16), """cake_ops.grouped_mm: the [M, sum_k] x [sum_k, N] form returns mat_a's dtype torch.bfloat16 or float32, got out_dtype=torch.float16""")
+        self.assertExpectedInline(error(self.x[None].expand(3, 10, 16), mat_b, self.offs), """cake_ops.grouped_mm: serves mat_a [sum_m, K] x mat_b [E, K, N] and mat_a [M, sum_k] x mat_b [sum_k, N] with offs, got 3-D x 3-D""")
+        # The kernels' own checks name the op that runs.
+        self.assertExpectedInline(error(self.x, mat_b, torch.tensor([2, 1, 9], dtype=torch.int32)), """cake::grouped_gemm_fwd: group ends must be non-decreasing, got 1 after 2 at group 1""")
 
 
 # ----------------------------------------------------------------------------------------------

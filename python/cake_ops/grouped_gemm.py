@@ -39,6 +39,7 @@ __all__ = [
     "grouped_gemm_dgrad",
     "grouped_gemm_fwd",
     "grouped_gemm_wgrad",
+    "grouped_mm",
     "grouped_mm_bf16",
     "prepare_grouped_gemm_dgrad",
     "prepare_grouped_gemm_fwd",
@@ -287,6 +288,58 @@ def prepare_grouped_gemm_wgrad(grad_out, x, offs=None, *, m_indptr=None, out=Non
     shape = _fake.check_wgrad(grad_out, x, bounds, num_groups, out_dtype, fn)
     return _bind(fn, torch.ops.cake.grouped_gemm_wgrad_out.default, (grad_out, x, bounds), out, shape,
                  out_dtype, x, num_groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch._grouped_mm's ragged forms
+
+
+def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch._grouped_mm`` (same arguments) in the two ragged forms MoE layers use, on cake's kernels:
+
+    - ``mat_a [sum_m, K]``, ``mat_b [E, K, N]``: ``out[g] = mat_a[g] @ mat_b[e]`` -> ``[sum_m, N]``. A
+      weight stored ``[E, N, K]`` and passed transposed (``w.transpose(-2, -1)``, as torchtitan does) runs
+      the fwd kernel; a contiguous ``[E, K, N]`` one the dgrad kernel. Neither copies the weights.
+    - ``mat_a [M, sum_k]``, ``mat_b [sum_k, N]``: ``out[e] = mat_a[:, g] @ mat_b[g]`` -> ``[E, M, N]`` (the
+      weight gradient's form) on the wgrad kernel; ``out_dtype=torch.float32`` gives a float32 result.
+
+    ``offs`` int32 ``[E]``: cumulative group ends along the ragged dimension. Differentiable (the backward
+    runs the other kernels of the family) and traceable by ``torch.compile``. Unlike torch's, output rows
+    past the last group end are zeros. Not served: ``bias``, and the forms without ``offs`` (both operands
+    3-D: ``torch.bmm``) or with a 3-D ``mat_a``.
+    """
+    fn = "cake_ops.grouped_mm"
+    if not (isinstance(mat_a, torch.Tensor) and isinstance(mat_b, torch.Tensor) and isinstance(offs, torch.Tensor)):
+        raise TypeError(f"{fn}: mat_a, mat_b and offs must be tensors (the ragged forms need offs), got "
+                        f"{type(mat_a).__name__}, {type(mat_b).__name__} and {type(offs).__name__}")
+    if bias is not None:
+        raise ValueError(f"{fn}: bias is not supported, got a {type(bias).__name__}; add it to the output")
+    if mat_a.dtype != mat_b.dtype:
+        raise ValueError(f"{fn}: mat_a and mat_b must have one dtype, got {mat_a.dtype} and {mat_b.dtype}")
+    if offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError(f"{fn}: offs must be a 1-D int32 tensor of group ends, got {offs.dtype} {list(offs.shape)}")
+    if mat_a.dim() == 2 and mat_b.dim() == 3:
+        if out_dtype not in (None, mat_a.dtype):
+            raise ValueError(f"{fn}: the [sum_m, K] x [E, K, N] form returns mat_a's dtype {mat_a.dtype}, "
+                             f"got out_dtype={out_dtype}")
+        if offs.shape[0] != mat_b.shape[0] or mat_a.shape[1] != mat_b.shape[1]:
+            raise ValueError(f"{fn}: mat_a [sum_m, K], mat_b [E, K, N] and offs [E] must agree, got "
+                             f"{list(mat_a.shape)}, {list(mat_b.shape)} and {list(offs.shape)}")
+        w = mat_b.transpose(-2, -1)
+        if not w.is_contiguous() and mat_b.is_contiguous():
+            return grouped_gemm_dgrad(mat_a.contiguous(), mat_b, offs)
+        return grouped_gemm_fwd(mat_a.contiguous(), w.contiguous(), offs)
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        if out_dtype not in (None, mat_a.dtype, torch.float32):
+            raise ValueError(f"{fn}: the [M, sum_k] x [sum_k, N] form returns mat_a's dtype {mat_a.dtype} or "
+                             f"float32, got out_dtype={out_dtype}")
+        if mat_a.shape[1] != mat_b.shape[0]:
+            raise ValueError(f"{fn}: mat_a [M, sum_k] and mat_b [sum_k, N] must agree on sum_k, got "
+                             f"{list(mat_a.shape)} and {list(mat_b.shape)}")
+        return grouped_gemm_wgrad(mat_a.transpose(0, 1).contiguous(), mat_b.contiguous(), offs, out_dtype=out_dtype)
+    raise ValueError(f"{fn}: serves mat_a [sum_m, K] x mat_b [E, K, N] and mat_a [M, sum_k] x mat_b [sum_k, N] "
+                     f"with offs, got {mat_a.dim()}-D x {mat_b.dim()}-D")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -400,6 +400,54 @@ def test_fused_moe_module_expert_parallel_shards_sum_to_the_block():
     assert (total - want.float()).norm() / want.float().norm() < 2e-2
 
 
+def transformers_block(kind, device):
+    """A sparse MoE block of transformers >= 5 (experts as 3-D tensors, the router a module), random weights."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    if kind == "mixtral":
+        block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=128, intermediate_size=96, num_local_experts=8,
+                                                    num_experts_per_tok=2))
+    else:
+        block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=16,
+                                                      num_experts_per_tok=4, norm_topk_prob=kind == "qwen3_norm"))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    return block.to(device, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_norm", "qwen3"])
+def test_fused_moe_module_matches_transformers_blocks(device, kind):
+    block = transformers_block(kind, device)
+    moe = cake_ops_nn.FusedMoE.from_sparse_moe_block(block)
+    assert (moe.top_k, moe.norm_topk_prob) == ((2, True) if kind == "mixtral" else (4, kind == "qwen3_norm"))
+    x = torch.randn(3, 17, 128, device=device).bfloat16()
+    with torch.no_grad():
+        want, got = block(x), moe(x)
+    assert isinstance(got, torch.Tensor) and got.shape == x.shape, "a transformers >= 5 block returns the output alone"
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_replace_sparse_moe_blocks_in_a_transformers_model(device, family):
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=101)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=8, **common))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                                                   head_dim=32, **common))
+    model = model.to(device, torch.bfloat16).eval()
+    ids = torch.randint(0, 101, (2, 9), device=device)
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        assert cake_ops_nn.replace_sparse_moe_blocks(model) == 2
+        got = model(ids).logits.float()
+    assert sum(isinstance(m, cake_ops_nn.FusedMoE) for m in model.modules()) == 2
+    assert (got - want).norm() / want.norm() < 5e-2  # two layers of bf16 rounding apart
+
+
 def test_fused_moe_module_errors():
     class NoNames(torch.nn.Module):
         def __init__(self):
@@ -425,3 +473,33 @@ def test_fused_moe_module_errors():
         moe.load_experts(torch.zeros(4, 64, 64), torch.zeros(4, 64, 64), torch.zeros(4, 64, 32))
     with pytest.raises(ValueError, match=r"FusedMoE: hidden_states must be \[..., hidden=64\] torch.bfloat16, got \[2, 3, 64\] torch.float32"):
         moe(torch.zeros(2, 3, 64))
+
+
+def test_fused_moe_module_refuses_what_it_does_not_compute():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    shared = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=8,
+                                                   num_experts_per_tok=2, shared_expert_intermediate_size=64))
+    with pytest.raises(ValueError, match=r"the block has shared experts \(shared_expert, shared_expert_gate\)"):
+        cake_ops_nn.FusedMoE.from_sparse_moe_block(shared.bfloat16())
+
+    class SigmoidRouted(SparseMoeBlock):  # DeepSeek-V3-style scores: not softmax top-k
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            weights, ids = torch.topk(torch.sigmoid(self.gate(x).float()), self.top_k, dim=-1)
+            out = torch.zeros_like(x, dtype=torch.float32)
+            for e, expert in enumerate(self.experts):
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                out.index_add_(0, tok, expert(x[tok]).float() * weights[tok, slot, None])
+            return out.to(x.dtype).view(hidden_states.shape)
+
+    block = SigmoidRouted(64, 64, 8, 2, ("w1", "w3", "w2"), False).bfloat16()
+    with pytest.raises(ValueError, match=r"does not reproduce SigmoidRouted \(relative error"):
+        cake_ops_nn.FusedMoE.from_sparse_moe_block(block)
+    cake_ops_nn.FusedMoE.from_sparse_moe_block(block, check=False)  # the caller's call
+    with pytest.raises(ValueError, match="replace_sparse_moe_blocks: Linear has no sparse MoE block"):
+        cake_ops_nn.replace_sparse_moe_blocks(torch.nn.Linear(4, 4))
+    biased = SparseMoeBlock(64, 64, 4, 2, ("w1", "w3", "w2"), True)
+    biased.experts[1].w2 = torch.nn.Linear(64, 64)
+    with pytest.raises(ValueError, match="expert projections with a bias are not supported"):
+        cake_ops_nn.FusedMoE.from_sparse_moe_block(biased.bfloat16())

@@ -1,10 +1,12 @@
 """Modules built on the cake ops.
 
 ``FusedMoE`` is a router plus experts that a model can use in place of a Hugging Face-style
-sparse MoE block (Mixtral's ``MixtralSparseMoeBlock``, Qwen2/Qwen3-MoE's ``*SparseMoeBlock``):
-same call (``hidden_states [..., H]`` -> ``(out [..., H], router_logits [T, E])``), same routing
-(softmax over the experts in float32, top-k, optional renormalisation), with the experts run by
+sparse MoE block (Mixtral's ``MixtralSparseMoeBlock``, Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``):
+the same call (``hidden_states [..., H]`` -> ``out [..., H]``, or ``(out, router_logits [T, E])``
+as the blocks of transformers 4 return), the same routing (softmax over the experts in float32,
+top-k, optional renormalisation), with the experts run by
 :func:`cake_ops.fused_moe.fused_moe_bf16` on weights prepared once (up/gate interleaved).
+``replace_sparse_moe_blocks(model)`` swaps every such block of a model for one.
 Forward only: the expert weights are buffers, not trained.
 """
 from __future__ import annotations
@@ -16,10 +18,50 @@ import torch.nn.functional as F
 
 from .fused_moe import fused_moe_bf16, interleave_up_gate_sm90
 
-__all__ = ["FusedMoE"]
+__all__ = ["FusedMoE", "replace_sparse_moe_blocks"]
 
 # (gate, up, down) projection names of one expert: Qwen / DeepSeek style, Mixtral style.
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Parts of MoE blocks that FusedMoE does not compute: refused rather than dropped.
+_SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_expert_gate", "shared_mlp")
+
+
+def _block_experts(block: torch.nn.Module, fn: str):
+    """The block's experts as gate and up [E, I, H] and down [E, H, I], and whether they are stored as 3-D
+    tensors (transformers >= 5: ``experts.gate_up_proj [E, 2I, H]`` gate first, ``experts.down_proj``) rather
+    than a ModuleList of per-expert MLPs (transformers 4)."""
+    experts = block.experts
+    if isinstance(experts, torch.nn.ModuleList):
+        names = next((n for n in _EXPERT_NAMES if all(hasattr(experts[0], a) for a in n)), None)
+        if names is None:
+            raise ValueError(f"{fn}: experts must have gate_proj/up_proj/down_proj or w1/w3/w2 projections, got "
+                             f"{type(experts[0]).__name__}")
+        if any(getattr(getattr(x, n), "bias", None) is not None for x in experts for n in names):
+            raise ValueError(f"{fn}: expert projections with a bias are not supported")
+        g, u, d = (torch.stack([getattr(x, n).weight for x in experts]) for n in names)
+        return g, u, d, False
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+            and down.dim() == 3):
+        raise ValueError(f"{fn}: experts must be a ModuleList of per-expert MLPs or hold gate_up_proj [E, 2I, H] "
+                         f"and down_proj [E, H, I] tensors, got {type(experts).__name__}")
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if (getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False)
+            or not getattr(experts, "is_concatenated", True)
+            or (apply_gate is not None and apply_gate.__name__ != "_default_apply_gate")):
+        raise ValueError(f"{fn}: {type(experts).__name__} stores its experts with a bias, transposed, interleaved or "
+                         "with its own gating; FusedMoE takes [gate; up] SwiGLU experts without bias")
+    inter = gate_up.shape[1] // 2
+    if list(gate_up.shape) != [down.shape[0], 2 * inter, down.shape[1]] or down.shape[2] != inter:
+        raise ValueError(f"{fn}: gate_up_proj [E, 2I, H] and down_proj [E, H, I] disagree: {list(gate_up.shape)} "
+                         f"and {list(down.shape)}")
+    return gate_up[:, :inter], gate_up[:, inter:], down, True
+
+
+def _block_setting(block: torch.nn.Module, name: str, default=None):
+    """A routing setting (top_k, norm_topk_prob) of the block, or of its router (transformers >= 5)."""
+    value = getattr(block, name, None)
+    return value if value is not None else getattr(block.gate, name, default)
 
 
 class FusedMoE(torch.nn.Module):
@@ -28,13 +70,14 @@ class FusedMoE(torch.nn.Module):
     ``num_local_experts`` / ``local_expert_offset`` hold experts ``[offset, offset + E_local)``
     of ``num_experts`` (expert parallel): routes to other shards contribute zero, and the caller
     sums the shards' outputs. ``norm_topk_prob`` renormalises the top-k probabilities to sum to
-    one (Mixtral does; Qwen3-MoE follows its config).
+    one (Mixtral does; Qwen3-MoE follows its config). ``forward`` returns ``(out, router_logits)``,
+    or ``out`` alone with ``return_router_logits=False`` (the blocks of transformers >= 5).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  norm_topk_prob: bool = True, num_local_experts: Optional[int] = None,
                  local_expert_offset: int = 0, use_fused_finalize: bool = True,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+                 return_router_logits: bool = True, dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
         e_local = num_experts if num_local_experts is None else num_local_experts
         if not 1 <= top_k <= num_experts:
@@ -49,6 +92,7 @@ class FusedMoE(torch.nn.Module):
         self.num_local_experts = e_local
         self.local_expert_offset = local_expert_offset
         self.use_fused_finalize = use_fused_finalize
+        self.return_router_logits = return_router_logits
         self.gate = torch.nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
         # w1: [E_local, 2I, H] up/gate interleaved at 32 rows (interleave_up_gate_sm90); w2: [E_local, H, I].
         self.register_buffer("w1", torch.zeros(e_local, 2 * intermediate_size, hidden_size, dtype=dtype, device=device))
@@ -70,38 +114,51 @@ class FusedMoE(torch.nn.Module):
     @classmethod
     def from_sparse_moe_block(cls, block: torch.nn.Module, *, top_k: Optional[int] = None,
                               norm_topk_prob: Optional[bool] = None, num_local_experts: Optional[int] = None,
-                              local_expert_offset: int = 0, use_fused_finalize: bool = True) -> "FusedMoE":
-        """A FusedMoE holding the router and experts of a Hugging Face-style sparse MoE block
-        (``block.gate`` and ``block.experts[i].{gate_proj, up_proj, down_proj}`` or ``{w1, w3, w2}``);
-        top_k and norm_topk_prob default to the block's own (``top_k``, ``norm_topk_prob``;
-        renormalised when the block has no such flag, as Mixtral)."""
+                              local_expert_offset: int = 0, use_fused_finalize: bool = True,
+                              check: bool = True) -> "FusedMoE":
+        """A FusedMoE holding the router and experts of a Hugging Face-style sparse MoE block: a router
+        ``block.gate`` with a weight ``[E, H]``, and experts as a ModuleList of MLPs with
+        ``{gate_proj, up_proj, down_proj}`` or ``{w1, w3, w2}`` (transformers 4) or as 3-D
+        ``gate_up_proj`` / ``down_proj`` tensors (transformers >= 5). top_k and norm_topk_prob default
+        to the block's (or its router's); renormalised where neither says (Mixtral). It returns what
+        the block returns: ``(out, router_logits)`` for ModuleList experts, ``out`` for 3-D ones.
+
+        Blocks with parts FusedMoE does not compute (shared experts, biased or custom-gated experts)
+        are refused. ``check`` (whole blocks only) runs the block and the FusedMoE on 8 random tokens
+        and raises if they disagree, which catches a router that is not softmax top-k."""
+        fn = "FusedMoE.from_sparse_moe_block"
         gate_w = getattr(getattr(block, "gate", None), "weight", None)
-        if not (isinstance(gate_w, torch.Tensor) and gate_w.dim() == 2
-                and isinstance(getattr(block, "experts", None), torch.nn.ModuleList)):
-            raise ValueError("FusedMoE.from_sparse_moe_block: the block must have a router `gate` with a weight "
-                             f"[E, H] and `experts` as a ModuleList of per-expert MLPs, got {type(block).__name__}")
-        experts = list(block.experts)
-        names = next((n for n in _EXPERT_NAMES if all(hasattr(experts[0], a) for a in n)), None)
-        if names is None:
-            raise ValueError("FusedMoE.from_sparse_moe_block: experts must have gate_proj/up_proj/down_proj "
-                             f"or w1/w3/w2 projections, got {type(experts[0]).__name__}")
-        top_k = top_k if top_k is not None else getattr(block, "top_k", None)
+        if not (isinstance(gate_w, torch.Tensor) and gate_w.dim() == 2 and isinstance(getattr(block, "experts", None),
+                                                                                     torch.nn.Module)):
+            raise ValueError(f"{fn}: the block must have a router `gate` with a weight [E, H] and `experts`, got "
+                             f"{type(block).__name__}")
+        shared = [n for n in _SHARED_EXPERT_NAMES if getattr(block, n, None) is not None]
+        if shared:
+            raise ValueError(f"{fn}: the block has shared experts ({', '.join(shared)}), which FusedMoE does not compute")
+        if getattr(block.gate, "bias", None) is not None:
+            raise ValueError(f"{fn}: a router with a bias is not supported")
+        with torch.no_grad():
+            g, u, d, stacked = _block_experts(block, fn)
+        top_k = top_k if top_k is not None else _block_setting(block, "top_k")
         if top_k is None:
-            raise ValueError("FusedMoE.from_sparse_moe_block: the block has no top_k attribute; pass top_k")
-        norm = norm_topk_prob if norm_topk_prob is not None else getattr(block, "norm_topk_prob", True)
+            raise ValueError(f"{fn}: neither the block nor its router has a top_k attribute; pass top_k")
+        norm = norm_topk_prob if norm_topk_prob is not None else _block_setting(block, "norm_topk_prob", True)
         num_experts, hidden = gate_w.shape
+        if g.shape[0] != num_experts:
+            raise ValueError(f"{fn}: the router has {num_experts} experts but the block holds {g.shape[0]}")
         e_local = num_experts if num_local_experts is None else num_local_experts
-        shard = experts[local_expert_offset:local_expert_offset + e_local]
-        if len(shard) != e_local:
-            raise ValueError(f"FusedMoE.from_sparse_moe_block: the shard [{local_expert_offset}, "
-                             f"{local_expert_offset + e_local}) is not within the block's {len(experts)} experts")
-        g, u, d = (torch.stack([getattr(x, n).weight for x in shard]) for n in names)
+        if not (1 <= e_local and 0 <= local_expert_offset <= num_experts - e_local):
+            raise ValueError(f"{fn}: the shard [{local_expert_offset}, {local_expert_offset + e_local}) is not within "
+                             f"the block's {num_experts} experts")
+        shard = slice(local_expert_offset, local_expert_offset + e_local)
         moe = cls(hidden, g.shape[1], num_experts, top_k, norm_topk_prob=norm, num_local_experts=e_local,
                   local_expert_offset=local_expert_offset, use_fused_finalize=use_fused_finalize,
-                  dtype=gate_w.dtype, device=gate_w.device)
+                  return_router_logits=not stacked, dtype=gate_w.dtype, device=gate_w.device)
         with torch.no_grad():
             moe.gate.weight.copy_(gate_w)
-            moe.load_experts(g, u, d)
+            moe.load_experts(g[shard], u[shard], d[shard])
+        if check and e_local == num_experts:
+            _check_against_block(moe, block, fn)
         return moe
 
     def route(self, x: torch.Tensor):
@@ -122,4 +179,43 @@ class FusedMoE(torch.nn.Module):
         logits, ids, weights = self.route(x)
         out = fused_moe_bf16(x, ids, weights, self.w1, self.w2, self.num_experts, self.top_k,
                              self.num_local_experts, self.local_expert_offset, self.use_fused_finalize)
-        return out.view(shape), logits
+        return (out.view(shape), logits) if self.return_router_logits else out.view(shape)
+
+
+def _check_against_block(moe: FusedMoE, block: torch.nn.Module, fn: str) -> None:
+    """Raise unless the FusedMoE and the block agree on 8 random tokens (bf16 / fp16 rounding apart)."""
+    hidden = moe.w1.shape[2]
+    x = torch.randn(1, 8, hidden, generator=torch.Generator().manual_seed(0)).to(moe.w1.device, moe.w1.dtype)
+    was_training = block.training
+    try:
+        block.eval()
+        with torch.no_grad():
+            want = block(x)
+            got = moe(x)
+    finally:
+        block.train(was_training)
+    want = (want[0] if isinstance(want, tuple) else want).float()
+    got = (got[0] if isinstance(got, tuple) else got).float()
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if not err < 5e-2:
+        raise ValueError(f"{fn}: the FusedMoE does not reproduce {type(block).__name__} (relative error {err:.3g} on "
+                         "random tokens): its router or experts compute something else than softmax top-k routing "
+                         "over SwiGLU experts; check=False skips this check")
+
+
+def replace_sparse_moe_blocks(model: torch.nn.Module, **kwargs) -> int:
+    """Replace every sparse MoE block of ``model`` (a module with a router ``gate`` and ``experts``, as
+    :meth:`FusedMoE.from_sparse_moe_block` reads them) by a FusedMoE built from it, in place; the
+    blocks' expert weights are released with them. ``kwargs`` go to ``from_sparse_moe_block``.
+    Returns how many blocks were replaced; raises ValueError if there is none."""
+    blocks = [(name, module) for name, module in model.named_modules()
+              if name and isinstance(getattr(module, "experts", None), torch.nn.Module)
+              and isinstance(getattr(getattr(module, "gate", None), "weight", None), torch.Tensor)]
+    if not blocks:
+        raise ValueError(f"replace_sparse_moe_blocks: {type(model).__name__} has no sparse MoE block (a module with a "
+                         "router `gate` and `experts`)")
+    replacements = [(name, FusedMoE.from_sparse_moe_block(block, **kwargs)) for name, block in blocks]  # all or none
+    for name, moe in replacements:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, moe)
+    return len(replacements)

@@ -1,6 +1,20 @@
-"""Shared test helpers: routing cases and random MoE problems (the MoE op and fused_moe_bf16 tests), and the
-relative error the GEMM tests compare by."""
+"""Shared test helpers: routing cases and random MoE problems (the MoE op and fused_moe_bf16 tests), the
+relative error the GEMM tests compare by, and a record of the ops a call dispatches."""
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class RecordOps(TorchDispatchMode):
+    """The ops dispatched inside the context (views left out), in order: ``with RecordOps() as r: ...; r.ops``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def rel_err(out, expected):

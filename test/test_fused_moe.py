@@ -11,7 +11,7 @@ from cake_ops import reference
 import cake_ops
 from cake_ops.fused_moe import (default_tile_size, expected_routes, fused_moe_bf16, interleave_up_gate_sm90,
                                override_tactic)
-from moe_problems import ROUTING_CASES, moe_problem
+from moe_problems import ROUTING_CASES, RecordOps, moe_problem
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -446,6 +446,58 @@ def test_replace_sparse_moe_blocks_in_a_transformers_model(device, family):
         got = model(ids).logits.float()
     assert sum(isinstance(m, cake_ops_nn.FusedMoE) for m in model.modules()) == 2
     assert (got - want).norm() / want.norm() < 5e-2  # two layers of bf16 rounding apart
+
+
+def tiny_transformers_model(family, device):
+    from transformers import (GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
+    common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=101)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=8, **common))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                                                   head_dim=32, **common))
+    else:  # weights stored [E, in, out], biases, its own clamped gate
+        model = GptOssForCausalLM(GptOssConfig(intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                                               head_dim=32, **common))
+    return model.to(device, torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_transformers_experts_implementation_trains_like_eager(device, family):
+    cake_ops_nn.register_transformers_experts()
+    model = tiny_transformers_model(family, device)
+    ids = torch.randint(0, 101, (2, 9), device=device)
+    runs = {}
+    for impl in ("eager", "cake"):
+        model.set_experts_implementation(impl)
+        model.zero_grad()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        runs[impl] = [out.logits] + [p.grad for name, p in model.named_parameters() if ".experts." in name]
+    assert len(runs["cake"]) > 2
+    for want, got in zip(runs["eager"], runs["cake"]):
+        assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
+
+
+def test_transformers_experts_forward_runs_cake_ops_and_drops_sentinels():
+    """Expert-parallel sentinels (ids >= num_experts) contribute zero; the sort and GEMMs are cake's."""
+    experts = tiny_transformers_model("mixtral", "cpu").model.layers[0].mlp.experts
+    x = torch.randn(6, 128).bfloat16()
+    ids = torch.tensor([[0, 3], [8, 1], [3, 8], [8, 8], [7, 0], [2, 5]])
+    weights = torch.rand(6, 2)
+    with torch.no_grad(), RecordOps() as record:
+        got = cake_ops_nn.transformers_experts_forward(experts, x, ids, weights)
+    assert {"cake.moe_sort.default", "cake.grouped_gemm_fwd.default"} <= set(record.ops)
+    want = torch.zeros(6, 128)
+    for t in range(6):
+        for j in range(2):
+            e = int(ids[t, j])
+            if e < 8:
+                gate, up = (x[t].float() @ experts.gate_up_proj[e].float().T).chunk(2)
+                want[t] += weights[t, j] * (experts.down_proj[e].float() @ (torch.nn.functional.silu(gate) * up))
+    assert (got.float() - want).norm() / want.norm() < 2e-2
+    assert torch.equal(got[3], torch.zeros(128, dtype=got.dtype)), "a token whose routes are all sentinels gets zero"
 
 
 def test_fused_moe_module_errors():

@@ -17,7 +17,7 @@ import torch._dynamo.testing
 import cake_ops
 from cake_ops import grouped_gemm as gg
 from cake_ops import reference as ref
-from moe_problems import rel_err
+from moe_problems import RecordOps, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
@@ -363,20 +363,8 @@ def test_grouped_mm_agrees_with_torch_grouped_mm(device, form):
 def test_grouped_mm_runs_one_kernel_and_copies_no_weights(form, kernel):
     """Each form is one op on the caller's tensors (through views): no transposed copy of the weights (or of
     grad_out)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     mat_a, mat_b, offs, _, _ = grouped_mm_case(form, "cpu")
-    with Record() as record:
+    with RecordOps() as record:
         cake_ops.grouped_mm(mat_a, mat_b, offs)
     assert record.ops == [kernel], record.ops
 

@@ -8,6 +8,11 @@ top-k, optional renormalisation), with the experts run by
 :func:`cake_ops.fused_moe.fused_moe_bf16` on weights prepared once (up/gate interleaved).
 ``replace_sparse_moe_blocks(model)`` swaps every such block of a model for one.
 Forward only: the expert weights are buffers, not trained.
+
+``register_transformers_experts()`` adds ``"cake"`` to the experts implementations of Hugging Face
+transformers (>= 5): ``from_pretrained(..., experts_implementation="cake")`` or
+``model.set_experts_implementation("cake")`` then runs each experts module's forward and backward
+on cake's token sort and grouped GEMMs, on the model's own weights (no copy), for training too.
 """
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from .fused_moe import fused_moe_bf16, interleave_up_gate_sm90
+from .grouped_gemm import grouped_mm
 
-__all__ = ["FusedMoE", "replace_sparse_moe_blocks"]
+__all__ = ["FusedMoE", "register_transformers_experts", "replace_sparse_moe_blocks", "transformers_experts_forward"]
 
 # (gate, up, down) projection names of one expert: Qwen / DeepSeek style, Mixtral style.
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -219,3 +225,56 @@ def replace_sparse_moe_blocks(model: torch.nn.Module, **kwargs) -> int:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, moe)
     return len(replacements)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face transformers' experts interface
+
+
+def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The forward of a transformers (>= 5) experts module on cake's kernels, as its ``"grouped_mm"``
+    implementation computes it: ``moe_sort`` orders the routes by expert on the device (stable, no host
+    sync), ``grouped_mm`` runs the up (gate_up) and down projections on the module's own weights (either
+    layout, no copy; bias and gating as the module defines them), and the weighted routes are summed per
+    token in float32. Routes to ids outside ``[0, num_experts)`` (expert-parallel sentinels) contribute
+    zero. Differentiable: the weight gradients come from cake's deterministic wgrad kernel."""
+    num_tokens, top_k = top_k_index.shape
+    num_experts = experts.num_experts
+    transposed = getattr(experts, "is_transposed", False)
+    bias = getattr(experts, "has_bias", False)
+    _, m_indptr, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
+        top_k_index.to(torch.int32).contiguous(), num_experts, num_experts, 0, 128)
+    kept = permuted_to_expanded >= 0  # rows past the kept routes: gathered from token 0, computed as zeros
+    expanded = permuted_to_expanded.clamp_min(0).long()
+    x = hidden_states[expanded // top_k]
+
+    def project(inp, name):
+        weight = getattr(experts, name)
+        out = grouped_mm(inp, weight if transposed else weight.transpose(-2, -1), m_indptr[1:])
+        if bias:  # per row: its expert's bias (zero past the kept routes, as the rows themselves)
+            row_expert = top_k_index.reshape(-1)[expanded].clamp(0, num_experts - 1)
+            out = out + getattr(experts, name + "_bias")[row_expert] * kept.unsqueeze(-1)
+        return out
+
+    if getattr(experts, "has_gate", True):
+        h = experts._apply_gate(project(x, "gate_up_proj"))
+    else:
+        h = experts.act_fn(project(x, "up_proj"))
+    y = project(h, "down_proj")
+    dropped = expanded_to_permuted < 0
+    y = y[expanded_to_permuted.clamp_min(0).long()].float()
+    weights = top_k_weights.reshape(-1, 1).float().masked_fill(dropped.unsqueeze(-1), 0.0)
+    return (y * weights).view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def register_transformers_experts(name: str = "cake") -> None:
+    """Register :func:`transformers_experts_forward` as the experts implementation ``name`` of
+    transformers (>= 5), for ``from_pretrained(..., experts_implementation=name)`` and
+    ``model.set_experts_implementation(name)``."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as e:
+        raise ImportError("register_transformers_experts: needs transformers >= 5 (its ExpertsInterface), "
+                          f"got {e}") from e
+    ExpertsInterface.register(name, transformers_experts_forward)

@@ -480,6 +480,26 @@ def test_transformers_experts_implementation_trains_like_eager(device, family):
         assert (got.float() - want.float()).norm() / want.float().norm() < 2e-2
 
 
+def test_transformers_experts_forward_compiles_with_backward(device):
+    """fullgraph, forward and backward; aot_eager runs the same kernels, so bitwise as eager."""
+    torch._dynamo.reset()
+    experts = tiny_transformers_model("gpt_oss", device).model.layers[0].mlp.experts
+
+    def step(fn, x, ids, weights):
+        experts.zero_grad()
+        x = x.detach().requires_grad_()
+        out = fn(experts, x, ids, weights)
+        out.float().square().mean().backward()
+        return [out.detach(), x.grad] + [p.grad for p in experts.parameters()]
+
+    args = (torch.randn(10, 128, device=device).bfloat16(), torch.randint(0, 8, (10, 2), device=device),
+            torch.rand(10, 2, device=device))
+    eager = step(cake_ops_nn.transformers_experts_forward, *args)
+    compiled = step(torch.compile(cake_ops_nn.transformers_experts_forward, fullgraph=True, backend="aot_eager"), *args)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
 def test_transformers_experts_forward_runs_cake_ops_and_drops_sentinels():
     """Expert-parallel sentinels (ids >= num_experts) contribute zero; the sort and GEMMs are cake's."""
     experts = tiny_transformers_model("mixtral", "cpu").model.layers[0].mlp.experts

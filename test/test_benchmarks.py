@@ -161,3 +161,11 @@ def test_sweep_order_bias_names_tactics_short_or_whole():
         assert full_name("fwd", short) == (whole, names.index(whole))
     with pytest.raises(SystemExit, match=r"no dgrad tactic named 'fixed_ping_128x128x64_c1x2'; known: dgrad_bf16_"):
         full_name("dgrad", "fixed_ping_128x128x64_c1x2")
+
+
+def test_transformers_experts_bench_times_both_implementations():
+    out = run_bench("bench_transformers_experts.py", "--reps", "2", "--warmup", "1")
+    rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
+    assert [r[2] for r in rows] == ["fwd", "fwd+bwd"]
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[4]) > 0 and abs(float(r[5]) - float(r[4]) / float(r[3])) < 0.01

@@ -1,0 +1,74 @@
+"""One transformers (>= 5) experts module under its "cake" experts implementation
+(cake_ops.nn.register_transformers_experts: moe_sort + cake_ops.grouped_mm) against transformers' own
+"grouped_mm" one (torch._grouped_mm), forward and forward + backward, timed in rotation in one run.
+
+    python benchmarks/bench_transformers_experts.py [--shapes qwen3_30b,mixtral_8x7b] [--tokens 1024,4096]
+"""
+import argparse
+import warnings
+
+import torch
+
+import cake_ops
+from bench_grouped_gemm import CARD, Timer, fmt, seed_case
+
+# (E, top_k, hidden, intermediate), as bench_fused_moe's models
+SHAPES = {"qwen3_30b": (128, 8, 2048, 768), "qwen3_235b": (128, 8, 4096, 1536), "mixtral_8x7b": (8, 2, 4096, 14336)}
+CPU_SHAPES = {"tiny": (8, 2, 128, 64)}
+
+
+def experts_module(e, hidden, inter, device):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=e))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(std=0.02)
+    return experts.to(device, torch.bfloat16)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="")
+    p.add_argument("--tokens", default="")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    warnings.simplefilter("ignore")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = SHAPES if device == "cuda" else CPU_SHAPES
+    names = args.shapes.split(",") if args.shapes else list(shapes)
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1024, 4096, 16384] if device == "cuda" else [64])
+    cake_ops.nn.register_transformers_experts()
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    impls = {"cake": ALL_EXPERTS_FUNCTIONS["cake"], "grouped_mm": ALL_EXPERTS_FUNCTIONS["grouped_mm"]}
+    timer = Timer(device, args.reps, args.warmup)
+    print(f"# {CARD or 'cpu'}: ms per call, median of {args.reps} in rotation; ratio = grouped_mm / cake")
+    print(f"{'shape':13} {'T':>6} {'pass':8} {'cake':>8} {'grouped_mm':>10} {'ratio':>6}")
+    for name in names:
+        e, k, hidden, inter = shapes[name]
+        experts = experts_module(e, hidden, inter, device)
+        for t in tokens:
+            seed_case(name, t)
+            x = torch.randn(t, hidden, device=device).bfloat16()
+            ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(t)]).long()
+            weights = torch.rand(t, k, device=device)
+
+            def forward(fn):
+                with torch.no_grad():
+                    fn(experts, x, ids, weights)
+
+            def train(fn):
+                xg = x.detach().requires_grad_()
+                fn(experts, xg, ids, weights).float().sum().backward()
+
+            for label, run in (("fwd", forward), ("fwd+bwd", train)):
+                ms = timer.many({n: (lambda fn=fn: run(fn), None) for n, fn in impls.items()})
+                ratio = ms["grouped_mm"] / ms["cake"] if all(isinstance(v, float) for v in ms.values()) else "-"
+                print(f"{name:13} {t:6d} {label:8} {fmt(ms['cake'], '8.3f')} {fmt(ms['grouped_mm'], '10.3f')} "
+                      f"{fmt(ratio, '6.2f')}", flush=True)
+        experts.zero_grad(set_to_none=True)
+
+
+if __name__ == "__main__":
+    main()

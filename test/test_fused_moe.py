@@ -518,6 +518,8 @@ def test_transformers_experts_forward_runs_cake_ops_and_drops_sentinels():
                 want[t] += weights[t, j] * (experts.down_proj[e].float() @ (torch.nn.functional.silu(gate) * up))
     assert (got.float() - want).norm() / want.norm() < 2e-2
     assert torch.equal(got[3], torch.zeros(128, dtype=got.dtype)), "a token whose routes are all sentinels gets zero"
+    none = cake_ops_nn.transformers_experts_forward(experts, x[:0], ids[:0], weights[:0])
+    assert none.shape == (0, 128) and none.dtype == x.dtype
 
 
 def test_fused_moe_module_errors():

@@ -265,7 +265,7 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     dropped = expanded_to_permuted < 0
     y = y[expanded_to_permuted.clamp_min(0).long()].float()
     weights = top_k_weights.reshape(-1, 1).float().masked_fill(dropped.unsqueeze(-1), 0.0)
-    return (y * weights).view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return (y * weights).view(num_tokens, top_k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
 
 def register_transformers_experts(name: str = "cake") -> None:

@@ -238,7 +238,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     sync), ``grouped_mm`` runs the up (gate_up) and down projections on the module's own weights (either
     layout, no copy; bias and gating as the module defines them), and the weighted routes are summed per
     token in float32. Routes to ids outside ``[0, num_experts)`` (expert-parallel sentinels) contribute
-    zero. Differentiable: the weight gradients come from cake's deterministic wgrad kernel."""
+    zero. Differentiable: the projection weights' gradients come from cake's deterministic wgrad kernel (the
+    biases' and the hidden states' from torch's indexed adds, as in transformers' own implementations)."""
     num_tokens, top_k = top_k_index.shape
     num_experts = experts.num_experts
     transposed = getattr(experts, "is_transposed", False)

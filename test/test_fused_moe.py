@@ -431,14 +431,7 @@ def test_fused_moe_module_matches_transformers_blocks(device, kind):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_replace_sparse_moe_blocks_in_a_transformers_model(device, family):
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-    common = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=101)
-    if family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(intermediate_size=96, num_local_experts=8, **common))
-    else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
-                                                   head_dim=32, **common))
-    model = model.to(device, torch.bfloat16).eval()
+    model = tiny_transformers_model(family, device).eval()
     ids = torch.randint(0, 101, (2, 9), device=device)
     with torch.no_grad():
         want = model(ids).logits.float()

@@ -32,10 +32,11 @@ _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_expert_gate", "shared_mlp")
 
 
-def _block_experts(block: torch.nn.Module, fn: str):
-    """The block's experts as gate and up [E, I, H] and down [E, H, I], and whether they are stored as 3-D
-    tensors (transformers >= 5: ``experts.gate_up_proj [E, 2I, H]`` gate first, ``experts.down_proj``) rather
-    than a ModuleList of per-expert MLPs (transformers 4)."""
+def _block_experts(block: torch.nn.Module, shard: slice, fn: str):
+    """The shard's experts as gate and up [E_local, I, H] and down [E_local, H, I], the block's expert count,
+    and whether they are stored as 3-D tensors (transformers >= 5: ``experts.gate_up_proj [E, 2I, H]`` gate
+    first, ``experts.down_proj``) rather than a ModuleList of per-expert MLPs (transformers 4). Only the
+    shard's weights are stacked."""
     experts = block.experts
     if isinstance(experts, torch.nn.ModuleList):
         names = next((n for n in _EXPERT_NAMES if all(hasattr(experts[0], a) for a in n)), None)
@@ -44,8 +45,8 @@ def _block_experts(block: torch.nn.Module, fn: str):
                              f"{type(experts[0]).__name__}")
         if any(getattr(getattr(x, n), "bias", None) is not None for x in experts for n in names):
             raise ValueError(f"{fn}: expert projections with a bias are not supported")
-        g, u, d = (torch.stack([getattr(x, n).weight for x in experts]) for n in names)
-        return g, u, d, False
+        g, u, d = (torch.stack([getattr(x, n).weight for x in experts[shard]]) for n in names)
+        return g, u, d, len(experts), False
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
             and down.dim() == 3):
@@ -61,7 +62,7 @@ def _block_experts(block: torch.nn.Module, fn: str):
     if list(gate_up.shape) != [down.shape[0], 2 * inter, down.shape[1]] or down.shape[2] != inter:
         raise ValueError(f"{fn}: gate_up_proj [E, 2I, H] and down_proj [E, H, I] disagree: {list(gate_up.shape)} "
                          f"and {list(down.shape)}")
-    return gate_up[:, :inter], gate_up[:, inter:], down, True
+    return gate_up[shard, :inter], gate_up[shard, inter:], down[shard], down.shape[0], True
 
 
 def _block_setting(block: torch.nn.Module, name: str, default=None):
@@ -143,26 +144,25 @@ class FusedMoE(torch.nn.Module):
             raise ValueError(f"{fn}: the block has shared experts ({', '.join(shared)}), which FusedMoE does not compute")
         if getattr(block.gate, "bias", None) is not None:
             raise ValueError(f"{fn}: a router with a bias is not supported")
-        with torch.no_grad():
-            g, u, d, stacked = _block_experts(block, fn)
         top_k = top_k if top_k is not None else _block_setting(block, "top_k")
         if top_k is None:
             raise ValueError(f"{fn}: neither the block nor its router has a top_k attribute; pass top_k")
         norm = norm_topk_prob if norm_topk_prob is not None else _block_setting(block, "norm_topk_prob", True)
         num_experts, hidden = gate_w.shape
-        if g.shape[0] != num_experts:
-            raise ValueError(f"{fn}: the router has {num_experts} experts but the block holds {g.shape[0]}")
         e_local = num_experts if num_local_experts is None else num_local_experts
         if not (1 <= e_local and 0 <= local_expert_offset <= num_experts - e_local):
             raise ValueError(f"{fn}: the shard [{local_expert_offset}, {local_expert_offset + e_local}) is not within "
                              f"the block's {num_experts} experts")
-        shard = slice(local_expert_offset, local_expert_offset + e_local)
+        with torch.no_grad():
+            g, u, d, held, stacked = _block_experts(block, slice(local_expert_offset, local_expert_offset + e_local), fn)
+        if held != num_experts:
+            raise ValueError(f"{fn}: the router has {num_experts} experts but the block holds {held}")
         moe = cls(hidden, g.shape[1], num_experts, top_k, norm_topk_prob=norm, num_local_experts=e_local,
                   local_expert_offset=local_expert_offset, use_fused_finalize=use_fused_finalize,
                   return_router_logits=not stacked, dtype=gate_w.dtype, device=gate_w.device)
         with torch.no_grad():
             moe.gate.weight.copy_(gate_w)
-            moe.load_experts(g[shard], u[shard], d[shard])
+            moe.load_experts(g, u, d)
         if check and e_local == num_experts:
             _check_against_block(moe, block, fn)
         return moe
@@ -246,17 +246,16 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     bias = getattr(experts, "has_bias", False)
     _, m_indptr, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
         top_k_index.to(torch.int32).contiguous(), num_experts, num_experts, 0, 128)
-    kept = permuted_to_expanded >= 0  # rows past the kept routes: gathered from token 0, computed as zeros
-    expanded = permuted_to_expanded.clamp_min(0).long()
+    expanded = permuted_to_expanded.clamp_min(0).long()  # rows past the kept routes: token 0's, computed as zeros
     x = hidden_states[expanded // top_k]
+    if bias:  # per row: its expert, and whether it holds a kept route (its bias is zero otherwise, as the row)
+        row_expert = top_k_index.reshape(-1)[expanded].clamp(0, num_experts - 1)
+        row_kept = (permuted_to_expanded >= 0).unsqueeze(-1)
 
     def project(inp, name):
         weight = getattr(experts, name)
         out = grouped_mm(inp, weight if transposed else weight.transpose(-2, -1), m_indptr[1:])
-        if bias:  # per row: its expert's bias (zero past the kept routes, as the rows themselves)
-            row_expert = top_k_index.reshape(-1)[expanded].clamp(0, num_experts - 1)
-            out = out + getattr(experts, name + "_bias")[row_expert] * kept.unsqueeze(-1)
-        return out
+        return out + getattr(experts, name + "_bias")[row_expert] * row_kept if bias else out
 
     if getattr(experts, "has_gate", True):
         h = experts._apply_gate(project(x, "gate_up_proj"))

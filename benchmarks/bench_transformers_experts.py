@@ -10,11 +10,14 @@ import warnings
 import torch
 
 import cake_ops
+from bench_fused_moe import CPU_MODELS, MODELS
 from bench_grouped_gemm import CARD, Timer, fmt, seed_case
 
-# (E, top_k, hidden, intermediate), as bench_fused_moe's models
-SHAPES = {"qwen3_30b": (128, 8, 2048, 768), "qwen3_235b": (128, 8, 4096, 1536), "mixtral_8x7b": (8, 2, 4096, 14336)}
-CPU_SHAPES = {"tiny": (8, 2, 128, 64)}
+
+def whole_layers(models):
+    """bench_fused_moe's models as (E, top_k, hidden, intermediate), but its expert-parallel shards: an experts
+    module holds all of its experts."""
+    return {name: m[:4] for name, m in models.items() if m[4] == m[0]}
 
 
 def experts_module(e, hidden, inter, device):
@@ -36,7 +39,7 @@ def main():
     args = p.parse_args()
     warnings.simplefilter("ignore")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = SHAPES if device == "cuda" else CPU_SHAPES
+    shapes = whole_layers(MODELS if device == "cuda" else CPU_MODELS)
     names = args.shapes.split(",") if args.shapes else list(shapes)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1024, 4096, 16384] if device == "cuda" else [64])
     cake_ops.nn.register_transformers_experts()

@@ -306,12 +306,6 @@ def test_compiles_once_for_any_row_count(device):
 # cake_ops.grouped_mm: torch._grouped_mm's arguments, ragged forms
 
 
-def ragged_k_reference(mat_a, mat_b, sizes):
-    """out[e] = mat_a[:, g] @ mat_b[g] in float64, differentiable."""
-    bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
-    return torch.stack([mat_a[:, b0:b1].double() @ mat_b[b0:b1].double() for b0, b1 in zip(bounds, bounds[1:])])
-
-
 GROUPED_MM_FORMS = ["weight_transposed", "weight_k_major", "ragged_k", "ragged_k_float32"]
 
 
@@ -324,7 +318,7 @@ def grouped_mm_case(form, device, sizes=(0, 1, 130, 7, 0, 300, 64)):
         mat_a = grad_out.t()  # [N, sum_k]: the transposed view a backward pass hands over
         mat_b = rand(rows, 40, dtype=torch.bfloat16, device=device)
         return (mat_a, mat_b, offs, torch.float32 if form == "ragged_k_float32" else None,
-                lambda a, b: ragged_k_reference(a, b, sizes))
+                lambda a, b: ref.grouped_gemm_wgrad(a.t(), b, offs, e))  # out[e] = mat_a[:, g] @ mat_b[g]
     x = rand(rows + 5, 40, dtype=torch.bfloat16, device=device)
     w = rand(e, 48, 40, dtype=torch.bfloat16, device=device)  # [E, N, K], as nn.Linear-style experts store it
     mat_b = w.transpose(-2, -1) if form == "weight_transposed" else w.transpose(-2, -1).contiguous()

@@ -27,7 +27,8 @@ export CAKE_EXPECT_CUDA_ARCHS=90a
 cake_use_prebuilt || { echo "building the module ($(el) s)"; cake_build >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }; }
 SUM=$(cake_source_sum)
 header() { echo "# session ${SESSION:-?} (tools/device_steps.sh $1; $CARD; module of sources ${SUM:0:8}...): $2"; }
-pytest_q() { python3 -m pytest -q -rs -p no:cacheprovider "$@" 2>&1 | grep -v "DeprecationWarning\|warnings.warn\|^  " ; }
+PYTEST="python3 -m pytest -q -rs -p no:cacheprovider"
+quiet() { grep -v "DeprecationWarning\|warnings.warn\|^  "; }
 
 for step in "$@"; do
   echo "== $step at $(el) s"
@@ -36,11 +37,11 @@ for step in "$@"; do
   fi
   case $step in
     suite)
-      { header suite "python3 -m pytest test"; run_by "$END" 240 pytest_q test; } | tee "$OUT/gpu_test_$TAG.log" | tail -5 ;;
+      { header suite "python3 -m pytest test"; run_by "$END" 240 $PYTEST test 2>&1 | quiet; } | tee "$OUT/gpu_test_$TAG.log" | tail -5 ;;
     api)
       { header api "the GPU tests of the Python-level APIs"
-        run_by "$END" 40 pytest_q test/test_grouped_gemm.py test/test_fused_moe.py test/test_benchmarks.py \
-          -k "grouped_mm or fused_moe_module or transformers or sparse_moe or test_benchmarks"; } \
+        run_by "$END" 40 $PYTEST test/test_grouped_gemm.py test/test_fused_moe.py test/test_benchmarks.py \
+          -k "grouped_mm or fused_moe_module or transformers or sparse_moe or test_benchmarks" 2>&1 | quiet; } \
         | tee "$OUT/gpu_test_api_$TAG.log" | tail -5 ;;
     hf)
       cmd="python3 benchmarks/bench_transformers_experts.py --shapes qwen3_30b,mixtral_8x7b --tokens 1024,4096,16384"
@@ -68,7 +69,7 @@ for step in "$@"; do
           cake_use_module $m; echo "== fused_moe $m ($(el) s)"; run_by "$END" 25 $fused 2>&1 | grep -v "^WARNING"
         done
         cake_use_module C3; echo "== C3 layer tests ($(el) s)"
-        run_by "$END" 45 pytest_q -x test/test_moe_ops.py test/test_stepfun_moe.py -k layer | tail -3
+        run_by "$END" 45 $PYTEST -x test/test_moe_ops.py test/test_stepfun_moe.py -k layer 2>&1 | tail -3
         cake_use_module A; } | tee "$OUT/ab_layer_$TAG.txt" ;;
     *) echo "unknown step $step" ;;
   esac

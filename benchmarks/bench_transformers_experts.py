@@ -39,8 +39,11 @@ def main():
     args = p.parse_args()
     warnings.simplefilter("ignore")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = whole_layers(MODELS if device == "cuda" else CPU_MODELS)
-    names = args.shapes.split(",") if args.shapes else list(shapes)
+    shapes = whole_layers({**MODELS, **CPU_MODELS})
+    names = args.shapes.split(",") if args.shapes else list(whole_layers(MODELS if device == "cuda" else CPU_MODELS))
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        p.error(f"unknown --shapes {unknown}; known: {', '.join(shapes)}")
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1024, 4096, 16384] if device == "cuda" else [64])
     cake_ops.nn.register_transformers_experts()
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS

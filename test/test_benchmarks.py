@@ -15,10 +15,14 @@ import cake_ops
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def run_bench(script, *args):
+def bench_process(script, *args):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
                           timeout=600)
+
+
+def run_bench(script, *args):
+    done = bench_process(script, *args)
     assert done.returncode == 0, f"{script} {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -169,3 +173,8 @@ def test_transformers_experts_bench_times_both_implementations():
     assert [r[2] for r in rows] == ["fwd", "fwd+bwd"]
     for r in rows:
         assert float(r[3]) > 0 and float(r[4]) > 0 and abs(float(r[5]) - float(r[4]) / float(r[3])) < 0.01
+
+
+def test_transformers_experts_bench_refuses_an_unknown_shape():
+    done = bench_process("bench_transformers_experts.py", "--shapes", "tiny,qwen3")
+    assert done.returncode == 2 and "unknown --shapes ['qwen3']; known: qwen3_30b" in done.stderr, done.stderr

@@ -233,6 +233,14 @@ def add_output_args(p, from_json_help):
                         "plot their rows instead of measuring")
 
 
+def check_names(p, option, given, known):
+    """Refuse unknown names in a comma-separated option (--models, --shapes, ...) with argparse's usage error
+    (exit 2) before any table, rather than a KeyError partway through one."""
+    unknown = [n for n in given.split(",") if n not in known] if given else []
+    if unknown:
+        p.error(f"unknown {option} {unknown}; known: {', '.join(known)}")
+
+
 def report(args, run, header, print_row, summary_keys, series, panels):
     """Measure (run(args) -> device, rows) or load --from-json runs, print the table, then write the JSON and
     draw the plot (panels(rows) -> [(title, rows)]) where asked."""
@@ -271,7 +279,9 @@ def main():
                    help="tune both paths' GEMMs under cake_ops.autotune() before timing each (model, T); "
                         "the winners go to CACHE_FILE when given")
     add_output_args(p, "say, one per model where the compiled peer's compiles take a call each")
-    report(p.parse_args(), run, HEADER, print_row, SUMMARY_KEYS, SERIES, panels_by_model)
+    args = p.parse_args()
+    check_names(p, "--models", args.models, {**MODELS, **CPU_MODELS})
+    report(args, run, HEADER, print_row, SUMMARY_KEYS, SERIES, panels_by_model)
 
 
 def panels_by_model(rows):

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from bench_fused_moe import add_output_args, dense_rate_for, report
+from bench_fused_moe import add_output_args, check_names, dense_rate_for, report
 from bench_grouped_gemm import HBM_TBPS, Timer, fmt, seed_case
 from cake_ops import stepfun_moe as sm
 from cake_ops.fused_moe import fused_moe_bf16
@@ -167,7 +167,10 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     add_output_args(p, "say, the H200's, plotted where matplotlib is")
-    report(p.parse_args(), run, HEADER, print_row, SUMMARY_KEYS, SERIES, panels_by_shape_and_family)
+    args = p.parse_args()
+    check_names(p, "--shapes", args.shapes, {**SHAPES, **CPU_SHAPES})
+    check_names(p, "--families", args.families, FAMILIES)
+    report(args, run, HEADER, print_row, SUMMARY_KEYS, SERIES, panels_by_shape_and_family)
 
 
 def panels_by_shape_and_family(rows):

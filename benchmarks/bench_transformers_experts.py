@@ -10,7 +10,7 @@ import warnings
 import torch
 
 import cake_ops
-from bench_fused_moe import CPU_MODELS, MODELS
+from bench_fused_moe import CPU_MODELS, MODELS, check_names
 from bench_grouped_gemm import CARD, Timer, fmt, seed_case
 
 
@@ -41,9 +41,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = whole_layers({**MODELS, **CPU_MODELS})
     names = args.shapes.split(",") if args.shapes else list(whole_layers(MODELS if device == "cuda" else CPU_MODELS))
-    unknown = [n for n in names if n not in shapes]
-    if unknown:
-        p.error(f"unknown --shapes {unknown}; known: {', '.join(shapes)}")
+    check_names(p, "--shapes", args.shapes, shapes)
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else ([1024, 4096, 16384] if device == "cuda" else [64])
     cake_ops.nn.register_transformers_experts()
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS

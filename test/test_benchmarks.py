@@ -176,6 +176,16 @@ def test_transformers_experts_bench_times_both_implementations():
         assert float(r[3]) > 0 and float(r[4]) > 0 and abs(float(r[5]) - float(r[4]) / float(r[3])) < 0.01
 
 
-def test_transformers_experts_bench_refuses_an_unknown_shape():
-    done = bench_process("bench_transformers_experts.py", "--shapes", "tiny,qwen3")
-    assert done.returncode == 2 and "unknown --shapes ['qwen3']; known: qwen3_30b" in done.stderr, done.stderr
+@pytest.mark.parametrize("script, option, name, known", [
+    ("bench_transformers_experts.py", "--shapes", "qwen3", "qwen3_30b"),
+    ("bench_fused_moe.py", "--models", "qwen3", "qwen3_30b"),
+    ("bench_stepfun_moe.py", "--shapes", "step35", "issue_geometry"),
+    ("bench_stepfun_moe.py", "--families", "nvfp4", "bf16, fp8, fp8-static"),
+])
+def test_moe_benches_refuse_an_unknown_name(script, option, name, known):
+    # Before any table: a usage error (exit 2) naming the option, the bad name and the known ones.
+    done = bench_process(script, "--cpu", option, name) if script != "bench_transformers_experts.py" else \
+        bench_process(script, option, f"tiny,{name}")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"unknown {option} ['{name}']; known: {known}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == "", done.stdout

@@ -86,11 +86,15 @@ TORCH_LIBRARY(cake, m) {
   // expanded_to_permuted (GEMM1): moe_sort's inverse of permuted_to_expanded; given, a large x is
   // gathered in token order through it instead of an inverse built on the way (a memset and a
   // kernel less; a row that does not map back is a device-side error).
+  // w1_gate_up (GEMM1): w1 holds [gate; up] halves (gate rows [0, I), up rows [I, 2I): transformers'
+  // gate_up_proj) instead of the 32-row interleave; the same numbers. On CUDA the decode kernels read
+  // either; the grouped GEMM's fused SwiGLU epilogues want the interleave, so with halves the GEMM
+  // stores h and the SwiGLU kernel follows.
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "
-      "Tensor? w1_scale=None, SymInt expected_routes=-1, bool zero_tail=True, Tensor? expanded_to_permuted=None) "
-      "-> Tensor");
+      "Tensor? w1_scale=None, SymInt expected_routes=-1, bool zero_tail=True, Tensor? expanded_to_permuted=None, "
+      "bool w1_gate_up=False) -> Tensor");
   // GEMM2 of the MoE: intermediate [T * top_k, I] (permuted rows), w2 [E_local, H, I] ->
   // [T * top_k, H] permuted rows, unscaled. bfloat16 intermediate with float8_e4m3fn w2: quantized
   // per tensor on the way in (a_scale static, or dynamic), bit for bit quantize_fp8 then the fp8
@@ -125,7 +129,7 @@ TORCH_LIBRARY(cake, m) {
       "moe_gemm1_swiglu_out(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, int top_k, "
       "Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, "
       "Tensor? x_scale=None, Tensor? w1_scale=None, SymInt expected_routes=-1, bool zero_tail=True, "
-      "Tensor? expanded_to_permuted=None) -> ()");
+      "Tensor? expanded_to_permuted=None, bool w1_gate_up=False) -> ()");
   // moe_gemm2 into a caller-owned out [T * top_k, H] with a workspace of
   // grouped_gemm_workspace_size(E_local) bytes (empty: allocated by the op).
   m.def(
@@ -151,11 +155,12 @@ TORCH_LIBRARY(cake, m) {
   // with a uint8 workspace of moe_forward_workspace_size(T * top_k, H, I) bytes (empty: allocated
   // by the op); anything else runs the four ops. expected_routes: as the MoE GEMMs' (a shard's
   // share of the T * top_k routes under even routing, -1: all); it picks kernels, never results.
+  // w1_gate_up: as moe_gemm1_swiglu's.
   m.def(
       "moe_forward_out(Tensor x, Tensor token_selected_experts, Tensor token_final_scales, Tensor w1, Tensor w2, "
       "int local_expert_offset, Tensor(a!) out, Tensor(b!) workspace, bool enable_pdl=True, Tensor? clamp_limits=None, "
       "Tensor? x_scale=None, Tensor? w1_scale=None, Tensor? fc2_scale=None, Tensor? w2_scale=None, "
-      "SymInt expected_routes=-1) -> ()");
+      "SymInt expected_routes=-1, bool w1_gate_up=False) -> ()");
   // moe_routing (Renormalize top-k of router_logits [T, E]) into token_selected_experts [T, k] int32
   // and token_final_scales [T, k] float32 (written; k = their width), then moe_forward_out with
   // them: the StepFun decode layer (on CUDA the routing kernel, then moe_forward_out's kernels; its

@@ -42,6 +42,32 @@ def test_matches_float32_reference(device, dtype, fused_finalize, case):
         assert outside.any() and (out[outside] == 0).all()
 
 
+@pytest.mark.parametrize("fused_finalize", [True, False])
+@pytest.mark.parametrize("case", ["top8", "hot_expert", "ep_shard", "one_token", "no_tokens"])
+def test_gate_up_weights_as_they_are(device, fused_finalize, case):
+    """w1_layout="gate_up": the [gate; up] halves (transformers' gate_up_proj) without interleaving them, with the
+    interleaved weights' numbers (but for the odd last bit where the grouped GEMM1's SwiGLU runs as a kernel of
+    its own) and the reference's."""
+    x, ids, scales, w1, w2, e, k, e_local, offset = problem(case, device, torch.bfloat16)
+    got = fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset, use_fused_finalize=fused_finalize,
+                         w1_layout="gate_up")
+    want = fused_moe_bf16(x, ids, scales, interleave_up_gate_sm90(w1), w2, e, k, e_local, offset,
+                          use_fused_finalize=fused_finalize)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    if x.shape[0]:
+        assert rel_err(got, reference.moe_forward(x, ids, scales, w1, w2, e_local, offset)) < 2e-2
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the layer kernel is CUDA's")
+def test_gate_up_weights_in_the_layer_kernel():
+    """T=1 runs the one-launch layer kernel on either layout: the same wgmmas on the same rows, bit for bit."""
+    x, ids, scales, w1, w2 = moe_problem(1, 8, 128, 128, 512, 256, "cuda", torch.bfloat16)
+    assert cake_ops.fused_moe.runs_layer_kernel(1, 8, 128, 128)
+    got = fused_moe_bf16(x, ids, scales, w1, w2, 128, 8, w1_layout="gate_up")
+    assert torch.equal(got, fused_moe_bf16(x, ids, scales, interleave_up_gate_sm90(w1), w2, 128, 8))
+
+
 def test_deterministic_path_is_bitwise_reproducible(device):
     x, ids, scales, w1, w2, e, k, e_local, offset = problem("top8", device, torch.bfloat16)
     w1 = interleave_up_gate_sm90(w1)
@@ -298,6 +324,7 @@ class TestErrors(expecttest.TestCase):
     def test_errors(self):
         x = torch.randn(64, 128).bfloat16()
         self.assertExpectedInline(self.error(x=x.float()), """cake_ops.fused_moe_bf16: x must be bfloat16 or float16, got torch.float32""")
+        self.assertExpectedInline(self.error(w1_layout="up_gate"), """cake_ops.fused_moe_bf16: w1_layout must be one of ('interleaved', 'gate_up'), got 'up_gate'""")
         self.assertExpectedInline(self.error(x=x[0]), """cake_ops.fused_moe_bf16: x must be a 2-D [num_tokens, hidden] tensor, got shape [128]""")
         self.assertExpectedInline(self.error(top_k=3), """cake_ops.fused_moe_bf16: token_selected_experts must have shape [num_tokens, top_k] = [64, 3], got [64, 2]""")
         self.assertExpectedInline(self.error(token_selected_experts=torch.zeros(64, 2, dtype=torch.int64)), """cake_ops.fused_moe_bf16: token_selected_experts must be int32, got torch.int64""")

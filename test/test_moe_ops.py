@@ -340,6 +340,48 @@ def test_gemm1_zero_tail_false_leaves_only_the_tail(device):
             assert out[kept:].isnan().all(), tactic
 
 
+def gate_up_halves(w1):
+    """interleave_up_gate_sm90's inverse: the [gate; up] halves of up/gate interleaved w1 [E, 2I, H] (any dtype)."""
+    e, two_i, h = w1.shape
+    up, gate = w1.view(torch.uint8).view(e, two_i // 64, 2, 32, -1).unbind(2)
+    return torch.cat([gate.reshape(e, two_i // 2, -1), up.reshape(e, two_i // 2, -1)], 1).view(w1.dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+@pytest.mark.parametrize("limits", [False, True], ids=["swiglu", "swiglu_step"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_gemm1_reads_gate_up_halves(device, dtype, limits):
+    """w1_gate_up=True: w1 as [gate; up] halves gives the interleaved weights' numbers on every path. The CPU;
+    on CUDA the decode kernel (tactic -2: the same wgmmas, bit for bit), each tile with a SwiGLU twin (with
+    halves the tile's plain GEMM, then the SwiGLU kernel: equal but for the odd last bit of exp, as in
+    test_gemm1_swiglu_in_the_gemm_epilogue) and the automatic choice; the _out op writes the same."""
+    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(dtype, limits)
+    halves = gate_up_halves(w1)
+    assert torch.equal(interleave_up_gate_sm90(halves.view(torch.uint8)), w1.view(torch.uint8))
+    move = (lambda v: v.to(device) if v is not None else None)
+    x, w1, halves, p2e, offsets, lim = (move(v) for v in (x, w1, halves, p2e, offsets, lim))
+    scales = [move(v) for v in scales]
+    tactics = [-1]
+    if device == "cuda":
+        family, prefix, tiles = SWIGLU_TWINS[dtype]
+        names = cake_ops._C.grouped_gemm_tactics(family)
+        tactics += [-2] + [names.index(prefix + tile) for tile in tiles]
+    for tactic in tactics:
+        want = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, lim, tactic, *scales)
+        got = torch.ops.cake.moe_gemm1_swiglu(x, halves, p2e, offsets, k, True, lim, tactic, *scales, w1_gate_up=True)
+        assert torch.equal(got[kept:], torch.zeros_like(got[kept:])), tactic
+        if tactic == -2:
+            assert torch.equal(got, want)
+        else:
+            same = (got[:kept] == want[:kept]).float().mean().item()
+            assert same > 0.999, (tactic, same)
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6, msg=lambda m: f"tactic {tactic}: {m}")
+        into = torch.full_like(got, float("nan"))
+        torch.ops.cake.moe_gemm1_swiglu_out(x, halves, p2e, offsets, k, into, x.new_empty(0, dtype=torch.uint8), True,
+                                            lim, tactic, *scales, w1_gate_up=True)
+        assert torch.equal(into, got), tactic
+
+
 # GEMM2's scatter twins: the same 16-bit tiles with the fused finalize as their epilogue (no e4m3: the fp8
 # StepFun pipeline finalizes in a fixed order by its specification).
 # Not the ptr-array 64x256 pingpong tile (configs_sm90.inc says why).
@@ -861,6 +903,25 @@ def test_moe_forward_out_layer_kernel(case, dtype, static_scales, limits):
     # A caller-owned workspace gives the same bits.
     ws = torch.empty(cake_ops._C.moe_forward_workspace_size(t * k, 512, 256), dtype=torch.uint8, device="cuda")
     assert torch.equal(forward_out(args, opt, offset, ws), got)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("case", ["one_token", "ep_shard", "many_routes"])
+def test_moe_forward_out_reads_gate_up_halves(device, case, dtype):
+    """moe_forward_out with w1_gate_up=True on w1's [gate; up] halves: the interleaved weights' numbers, bit for
+    bit where both run the layer kernel (CUDA, T * top_k <= 64) or the CPU ops; past the layer kernel the
+    grouped GEMM1 stores h and the SwiGLU kernel follows (its exp may differ in the odd last bit)."""
+    args, opt, (_, offset, _) = forward_problem(case, dtype, True, False, device)
+    t, k = args[1].shape
+    want = forward_out(args, opt, offset)
+    halves = list(args)
+    halves[3] = gate_up_halves(args[3])
+    got = forward_out(halves, {**opt, "w1_gate_up": True}, offset)
+    if device == "cpu" or t * k <= 64:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @cuda_only

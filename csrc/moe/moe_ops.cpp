@@ -128,7 +128,7 @@ at::Tensor gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Ten
                         const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
                         int64_t expected_routes,
                         const c10::optional<at::Tensor>& expanded_to_permuted /*checked; the CPU needs none*/,
-                        const at::Tensor* out, const at::Tensor* workspace, const char* op) {
+                        bool w1_gate_up, const at::Tensor* out, const at::Tensor* workspace, const char* op) {
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
   const int64_t routed_rows = check_expert_offsets(expert_offsets, s.rows, op);
   check_index_range(permuted_to_expanded.slice(0, 0, routed_rows), 0, x.size(0) * top_k,
@@ -153,10 +153,11 @@ at::Tensor gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1, const at::Ten
   // Permuted rows past the last expert's end come out of the grouped GEMM as zeros.
   const auto rows = (fp8 ? xq.to(at::kFloat) : xq).index_select(0, token);  // e4m3 values are exact in float32
   const auto h = moe_gemm(rows, w1, expert_offsets, fp8, xq_scale, w1_scale);
-  // Interleaved columns: [up 0:32 | gate 0:32 | up 32:64 | ...].
-  const auto hv = h.view({s.rows, s.intermediate / 32, 2, 32}).to(at::kFloat);
-  auto act = at::silu(hv.select(2, 1));
-  auto up = hv.select(2, 0);
+  // Interleaved columns: [up 0:32 | gate 0:32 | up 32:64 | ...]; w1_gate_up: [gate 0:I | up 0:I].
+  const auto hv = w1_gate_up ? h.view({s.rows, 2, s.intermediate / 32, 32}).transpose(1, 2).to(at::kFloat)
+                             : h.view({s.rows, s.intermediate / 32, 2, 32}).to(at::kFloat);
+  auto act = at::silu(hv.select(2, w1_gate_up ? 0 : 1));
+  auto up = hv.select(2, w1_gate_up ? 1 : 0);
   if (clamp_limits && s.rows > 0) {
     // SwiGLUStep with the limit of each row's expert.
     const auto limit = clamp_limits->index_select(0, row_experts(expert_offsets, s.rows)).view({s.rows, 1, 1});
@@ -174,9 +175,9 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             int64_t /*tactic*/, const c10::optional<at::Tensor>& x_scale,
                             const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes,
                             bool /*zero_tail: the CPU writes the zeros*/,
-                            const c10::optional<at::Tensor>& expanded_to_permuted) {
+                            const c10::optional<at::Tensor>& expanded_to_permuted, bool w1_gate_up) {
   return gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, clamp_limits, x_scale, w1_scale,
-                      expected_routes, expanded_to_permuted, nullptr, nullptr, "cake::moe_gemm1_swiglu");
+                      expected_routes, expanded_to_permuted, w1_gate_up, nullptr, nullptr, "cake::moe_gemm1_swiglu");
 }
 
 // Renormalize top-k of router_logits [T, E]: the top_k largest (NaN lowest, ties to the lower id)
@@ -232,9 +233,10 @@ void moe_gemm1_swiglu_out(const at::Tensor& x, const at::Tensor& w1, const at::T
                           bool /*enable_pdl*/, const c10::optional<at::Tensor>& clamp_limits, int64_t /*tactic*/,
                           const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
                           int64_t expected_routes, bool /*zero_tail: the CPU writes the zeros*/,
-                          const c10::optional<at::Tensor>& expanded_to_permuted) {
+                          const c10::optional<at::Tensor>& expanded_to_permuted, bool w1_gate_up) {
   out.copy_(gemm1_swiglu(x, w1, permuted_to_expanded, expert_offsets, top_k, clamp_limits, x_scale, w1_scale,
-                         expected_routes, expanded_to_permuted, &out, &workspace, "cake::moe_gemm1_swiglu_out"));
+                         expected_routes, expanded_to_permuted, w1_gate_up, &out, &workspace,
+                         "cake::moe_gemm1_swiglu_out"));
 }
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
@@ -309,7 +311,7 @@ void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_exper
                      int64_t local_expert_offset, at::Tensor out, at::Tensor workspace, bool enable_pdl,
                      const c10::optional<at::Tensor>& clamp_limits, const c10::optional<at::Tensor>& x_scale,
                      const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& fc2_scale,
-                     const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes) {
+                     const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes, bool w1_gate_up) {
   const auto s = check_moe_forward_out(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
                                        workspace, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale,
                                        "cake::moe_forward_out");
@@ -319,7 +321,7 @@ void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_exper
                                s.num_local_experts, local_expert_offset, /*tile_size=*/128);
   const auto& offsets = std::get<1>(sorted);
   const auto h = moe_gemm1_swiglu(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1, x_scale,
-                                  w1_scale, expected_routes, /*zero_tail=*/false, std::get<3>(sorted));
+                                  w1_scale, expected_routes, /*zero_tail=*/false, std::get<3>(sorted), w1_gate_up);
   const auto rows = moe_gemm2(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, expected_routes);
   out.copy_(moe_finalize(rows, std::get<3>(sorted), token_final_scales, enable_pdl));
 }
@@ -340,7 +342,8 @@ void moe_forward_from_logits_out(const at::Tensor& x, const at::Tensor& router_l
   token_final_scales.copy_(weights);
   moe_forward_out(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out, workspace,
                   enable_pdl, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale,
-                  moe_expected_routes(s.num_tokens * s.top_k, s.num_local_experts, router_logits.size(1)));
+                  moe_expected_routes(s.num_tokens * s.top_k, s.num_local_experts, router_logits.size(1)),
+                  /*w1_gate_up=*/false);
 }
 
 TORCH_LIBRARY_IMPL(cake, CPU, m) {

@@ -23,7 +23,7 @@ at::Tensor moe_gemm1_swiglu(const at::Tensor& x, const at::Tensor& w1,
                             int64_t top_k, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits,
                             int64_t tactic, const c10::optional<at::Tensor>& x_scale,
                             const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes, bool zero_tail,
-                            const c10::optional<at::Tensor>& expanded_to_permuted);
+                            const c10::optional<at::Tensor>& expanded_to_permuted, bool w1_gate_up);
 
 at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const at::Tensor& expert_offsets,
                      bool enable_pdl, int64_t tactic, const c10::optional<at::Tensor>& a_scale,
@@ -45,6 +45,6 @@ void moe_forward_out(const at::Tensor& x, const at::Tensor& token_selected_exper
                      int64_t local_expert_offset, at::Tensor out, at::Tensor workspace, bool enable_pdl,
                      const c10::optional<at::Tensor>& clamp_limits, const c10::optional<at::Tensor>& x_scale,
                      const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& fc2_scale,
-                     const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes);
+                     const c10::optional<at::Tensor>& w2_scale, int64_t expected_routes, bool w1_gate_up);
 
 }  // namespace cake

@@ -195,7 +195,7 @@ def _check_expected_routes(expected_routes, op):
 @register_fake("cake::moe_gemm1_swiglu")
 def _moe_gemm1_swiglu_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl=True, clamp_limits=None,
                            tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1, zero_tail=True,
-                           expanded_to_permuted=None):
+                           expanded_to_permuted=None, w1_gate_up=False):
     return _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes,
                              expanded_to_permuted, "cake::moe_gemm1_swiglu")
 
@@ -319,7 +319,7 @@ def _moe_routing_out_fake(router_logits, topk_ids, topk_weights, top_k, num_expe
 @register_fake("cake::moe_gemm1_swiglu_out")
 def _moe_gemm1_swiglu_out_fake(x, w1, permuted_to_expanded, expert_offsets, top_k, out, workspace, enable_pdl=True,
                                clamp_limits=None, tactic=-1, x_scale=None, w1_scale=None, expected_routes=-1,
-                               zero_tail=True, expanded_to_permuted=None):
+                               zero_tail=True, expanded_to_permuted=None, w1_gate_up=False):
     want = _moe_gemm1_output(x, w1, permuted_to_expanded, top_k, x_scale, w1_scale, expected_routes,
                              expanded_to_permuted, "cake::moe_gemm1_swiglu_out")
     _check(out.shape == want.shape and out.dtype == want.dtype,
@@ -377,7 +377,7 @@ def _check_moe_forward(op, x, ids, scales, w1, w2, local_expert_offset, out, wor
 @register_fake("cake::moe_forward_out")
 def _moe_forward_out_fake(x, token_selected_experts, token_final_scales, w1, w2, local_expert_offset, out,
                           workspace, enable_pdl=True, clamp_limits=None, x_scale=None, w1_scale=None, fc2_scale=None,
-                          w2_scale=None, expected_routes=-1):
+                          w2_scale=None, expected_routes=-1, w1_gate_up=False):
     _check_moe_forward("cake::moe_forward_out", x, token_selected_experts, token_final_scales, w1, w2,
                        local_expert_offset, out, workspace, clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale)
     _check_expected_routes(expected_routes, "cake::moe_forward_out")

@@ -50,6 +50,8 @@ from .autotune import tune_grouped_gemm, tuning_active
 __all__ = ["default_tile_size", "expected_routes", "fused_moe_bf16", "interleave_up_gate_sm90", "override_tactic"]
 
 INTERLEAVE_ROWS = 32
+# fused_moe_bf16's w1 layouts: up/gate interleaved at 32 rows (the specification's), or [gate; up] halves.
+W1_LAYOUTS = ("interleaved", "gate_up")
 _NAME = "cake_ops.fused_moe_bf16"
 
 
@@ -204,13 +206,16 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
                    tile_size: Optional[int] = None, gemm1_tile_n: Optional[int] = None,
                    gemm2_tile_n: Optional[int] = None, gemm2_tile_k: Optional[int] = None,
                    gemm2_cluster_shape_mn: Optional[Tuple[int, int]] = None,
-                   gemm2_raster_along_m: Optional[bool] = None) -> torch.Tensor:
+                   gemm2_raster_along_m: Optional[bool] = None, w1_layout: str = "interleaved") -> torch.Tensor:
     """``out[t] = sum_k scale[t, k] * ffn(x[t]; e[t, k])``, ``ffn(x; e) = (silu(x @ w1_gate[e].T) *
     (x @ w1_up[e].T)) @ w2[e].T``, over the routes whose expert is in this shard.
 
     x ``[T, H]`` bf16/fp16; token_selected_experts ``[T, top_k]`` int32 global ids;
     token_final_scales ``[T, top_k]`` float32; w1_weight ``[E_local, 2I, H]`` up/gate interleaved
-    at 32 rows (:func:`interleave_up_gate_sm90`); w2_weight ``[E_local, H, I]``. Routes to experts
+    at 32 rows (:func:`interleave_up_gate_sm90`), or with ``w1_layout="gate_up"`` gate-first
+    ``[gate; up]`` halves as they are (transformers' ``gate_up_proj``; the same numbers, no copy; past
+    decode sizes GEMM1 then stores its product and applies the SwiGLU in a kernel of its own, where
+    interleaved weights have it in the GEMM's epilogue); w2_weight ``[E_local, H, I]``. Routes to experts
     outside ``[local_expert_offset, local_expert_offset + num_local_experts)`` (other shards, or
     ids outside ``[0, num_experts)``) contribute zero. Needs H % 64 == 0 and I % 32 == 0.
     Returns ``[T, H]`` in x's dtype (``moe_output`` when given, overwritten); the GEMM1 output
@@ -263,6 +268,8 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
         _check_buffer(intermediate_buffer, "intermediate_buffer", [num_tokens * top_k, intermediate], x)
     _check_overrides(hidden, intermediate, tile_size, gemm1_tile_n, gemm2_tile_n, gemm2_tile_k,
                      gemm2_cluster_shape_mn, gemm2_raster_along_m)
+    _check(w1_layout in W1_LAYOUTS, lambda: f"w1_layout must be one of {W1_LAYOUTS}, got {w1_layout!r}")
+    gate_up = w1_layout == "gate_up"
 
     # A shard's kernels size their work by its expected share of the routes: the layer kernel spreads a phase
     # of few items over the idle CTAs, the GEMMs choose their tiles by it (tuned under that bucket too).
@@ -275,7 +282,8 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
         # fixed-order combine, which the fused finalize's contract allows too).
         out = moe_output if moe_output is not None else x.new_empty(num_tokens, hidden)
         torch.ops.cake.moe_forward_out(x, ids, scales, w1_weight, w2_weight, local_expert_offset, out,
-                                       x.new_empty(0, dtype=torch.uint8), enable_pdl, expected_routes=hint)
+                                       x.new_empty(0, dtype=torch.uint8), enable_pdl, expected_routes=hint,
+                                       w1_gate_up=gate_up)
         return out
     tile = tile_size or default_tile_size(num_tokens, top_k, num_local, intermediate)
     _, offsets, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
@@ -294,21 +302,22 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     # GEMM1's rows past the last local expert's end are left unwritten (zero_tail=False): GEMM2 and
     # the finalize never read them, and on an expert-parallel shard they are most of the tensor
     # (Kimi-K2 EP8 shard, T=16384: 2.69 -> 2.54 ms, benchmarks/results/ab_gemm1_tail_h200.txt).
+    # With gate_up weights GEMM1 runs the plain GEMM's tactics (no SwiGLU epilogue twin), tuned as such.
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
             x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint, zero_tail=False,
-            expanded_to_permuted=expanded_to_permuted), x.device, "swiglu")
+            expanded_to_permuted=expanded_to_permuted, w1_gate_up=gate_up), x.device, "none" if gate_up else "swiglu")
     # GEMM1 gathers a large x in token order through the sort's inverse (expanded_to_permuted).
     if intermediate_buffer is not None:  # GEMM1 writes it in place (an empty workspace: the op sizes its own)
         torch.ops.cake.moe_gemm1_swiglu_out(x, w1_weight, permuted_to_expanded, offsets, top_k, intermediate_buffer,
                                             x.new_empty(0, dtype=torch.uint8), enable_pdl, tactic=gemm1_tactic,
                                             expected_routes=hint, zero_tail=False,
-                                            expanded_to_permuted=expanded_to_permuted)
+                                            expanded_to_permuted=expanded_to_permuted, w1_gate_up=gate_up)
         inter = intermediate_buffer
     else:
         inter = torch.ops.cake.moe_gemm1_swiglu(x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl,
                                                 tactic=gemm1_tactic, expected_routes=hint, zero_tail=False,
-                                                expanded_to_permuted=expanded_to_permuted)
+                                                expanded_to_permuted=expanded_to_permuted, w1_gate_up=gate_up)
     gemm2_dims = (num_local, routes, hidden, intermediate)
     if use_fused_finalize:
         # GEMM2 adds the router-scaled rows into the output itself (atomics: one rounding per route).

@@ -238,7 +238,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
                 const c10::optional<at::Tensor>& clamp_limits_in, int64_t tactic, const c10::optional<at::Tensor>& x_scale,
                 const c10::optional<at::Tensor>& w1_scale, int64_t expected_routes, const MoeGemm1Shape& s,
                 at::Tensor& out, const at::Tensor& workspace_in, bool zero_tail,
-                const c10::optional<at::Tensor>& expanded_to_permuted, const char* op) {
+                const c10::optional<at::Tensor>& expanded_to_permuted, bool w1_gate_up, const char* op) {
   const int64_t expected_rows = check_expected_routes(expected_routes, op);
   const bool quantize_x =
       check_moe_gemm_input(x_in, x_scale, w1, w1_scale, "x", "w1", op) == MoeGemmInput::kQuantizeA;
@@ -283,6 +283,7 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
     a.permuted_to_expanded = permuted_to_expanded.data_ptr<int32_t>();
     a.top_k = static_cast<int>(top_k);
     a.limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
+    a.w_gate_up = w1_gate_up;
     sm90::moe_decode_gemm(a, decode_element(w1), /*swiglu=*/true, stream, enable_pdl);
     return;
   }
@@ -296,7 +297,9 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   shape.expected_rows = expected_rows;
   const float* limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
   // 16-bit x: the GEMM's mainloop reads the routes' rows of x itself, where the chosen tile has such a twin.
-  if (!quantize_x && run_grouped_gemm_gather_swiglu_cuda(shape, x, w1, expert_offsets,
+  // The twins' epilogues pair columns 32 apart (w1 interleaved at 32 rows): w1 as [gate; up] halves runs the
+  // plain GEMM and the SwiGLU kernel instead.
+  if (!quantize_x && !w1_gate_up && run_grouped_gemm_gather_swiglu_cuda(shape, x, w1, expert_offsets,
                                                          permuted_to_expanded.data_ptr<int32_t>(), s.rows,
                                                          static_cast<int>(top_k), out, limits, op, enable_pdl,
                                                          tactic, gemm_workspace, zero_tail)) {
@@ -323,15 +326,16 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   at::Tensor w1_scale_contiguous;
   const auto scales = gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous);
   // The SwiGLU in the GEMM's epilogue, where the chosen tile has such a twin: h is never stored.
-  if (run_grouped_gemm_swiglu_cuda(shape, gathered, w1, expert_offsets, out, limits, op, enable_pdl, tactic,
-                                   gemm_workspace, zero_tail, scales)) {
+  if (!w1_gate_up && run_grouped_gemm_swiglu_cuda(shape, gathered, w1, expert_offsets, out, limits, op, enable_pdl,
+                                                  tactic, gemm_workspace, zero_tail, scales)) {
     return;
   }
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.
   run_grouped_gemm_cuda(GroupedGemmOp::kFwd, shape, gathered, w1, expert_offsets, h, op, enable_pdl,
                         /*zero_tail=*/false, tactic, &gemm_workspace, scales);
   sm90::moe_swiglu(h.data_ptr(), s.rows, s.intermediate, expert_offsets.data_ptr<int32_t>(),
-                   static_cast<int>(w1.size(0)), limits, out.data_ptr(), h_dtype == at::kBFloat16, stream, enable_pdl);
+                   static_cast<int>(w1.size(0)), limits, w1_gate_up, out.data_ptr(), h_dtype == at::kBFloat16, stream,
+                   enable_pdl);
 }
 
 at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& permuted_to_expanded,
@@ -339,13 +343,13 @@ at::Tensor moe_gemm1_swiglu_cuda(const at::Tensor& x, const at::Tensor& w1, cons
                                  const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
                                  const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
                                  int64_t expected_routes, bool zero_tail,
-                                 const c10::optional<at::Tensor>& expanded_to_permuted) {
+                                 const c10::optional<at::Tensor>& expanded_to_permuted, bool w1_gate_up) {
   const char* op = "cake::moe_gemm1_swiglu";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
   auto out = at::empty({s.rows, s.intermediate}, x.options().dtype(moe_gemm_out_dtype(x)));
   gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
              expected_routes, s, out, at::empty({0}, x.options().dtype(at::kByte)), zero_tail, expanded_to_permuted,
-             op);
+             w1_gate_up, op);
   return out;
 }
 
@@ -354,12 +358,12 @@ void moe_gemm1_swiglu_out_cuda(const at::Tensor& x, const at::Tensor& w1, const 
                                bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits, int64_t tactic,
                                const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
                                int64_t expected_routes, bool zero_tail,
-                               const c10::optional<at::Tensor>& expanded_to_permuted) {
+                               const c10::optional<at::Tensor>& expanded_to_permuted, bool w1_gate_up) {
   const char* op = "cake::moe_gemm1_swiglu_out";
   const auto s = check_moe_gemm1(x, w1, permuted_to_expanded, expert_offsets, top_k, op, expanded_to_permuted);
   check_out(out, {s.rows, s.intermediate}, moe_gemm_out_dtype(x), x, op);
   gemm1_into(x, w1, permuted_to_expanded, expert_offsets, top_k, enable_pdl, clamp_limits, tactic, x_scale, w1_scale,
-             expected_routes, s, out, workspace, zero_tail, expanded_to_permuted, op);
+             expected_routes, s, out, workspace, zero_tail, expanded_to_permuted, w1_gate_up, op);
 }
 
 void quantize_into(const at::Tensor& x_in, const c10::optional<at::Tensor>& scale, at::Tensor& out,
@@ -535,7 +539,7 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
                           at::Tensor workspace, bool enable_pdl, const c10::optional<at::Tensor>& clamp_limits,
                           const c10::optional<at::Tensor>& x_scale, const c10::optional<at::Tensor>& w1_scale,
                           const c10::optional<at::Tensor>& fc2_scale, const c10::optional<at::Tensor>& w2_scale,
-                          int64_t expected_routes) {
+                          int64_t expected_routes, bool w1_gate_up) {
   const char* op = "cake::moe_forward_out";
   const auto s = check_moe_forward_out(x_in, ids_in, scales_in, w1, w2, local_expert_offset, out, workspace,
                                        clamp_limits, x_scale, w1_scale, fc2_scale, w2_scale, op);
@@ -564,6 +568,7 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
     a.local_offset = local_expert_offset;
     a.num_local = s.num_local_experts;
     a.w1 = w1.data_ptr();
+    a.w1_gate_up = w1_gate_up;
     a.w2 = w2.data_ptr();
     a.hidden = s.hidden;
     a.inter = s.intermediate;
@@ -601,7 +606,8 @@ void moe_forward_out_cuda(const at::Tensor& x_in, const at::Tensor& ids_in, cons
                                     local_expert_offset, /*tile_size=*/128);
   const auto& offsets = std::get<1>(sorted);
   const auto h = moe_gemm1_swiglu_cuda(x, w1, std::get<2>(sorted), offsets, s.top_k, enable_pdl, clamp_limits, -1,
-                                       x_scale, w1_scale, expected_routes, /*zero_tail=*/false, std::get<3>(sorted));
+                                       x_scale, w1_scale, expected_routes, /*zero_tail=*/false, std::get<3>(sorted),
+                                       w1_gate_up);
   const auto rows = moe_gemm2_cuda(h, w2, offsets, enable_pdl, -1, fc2_scale, w2_scale, expected_routes);
   moe_finalize_out_cuda(rows, std::get<3>(sorted), scales, out, enable_pdl);
 }
@@ -633,7 +639,8 @@ void moe_forward_from_logits_out_cuda(const at::Tensor& x, const at::Tensor& log
                          at::cuda::getCurrentCUDAStream(x.get_device()), enable_pdl);
   moe_forward_out_cuda(x, ids, scales, w1, w2, local_expert_offset, out, workspace, enable_pdl, clamp_limits, x_scale,
                        w1_scale, fc2_scale, w2_scale,
-                       moe_expected_routes(s.num_tokens * s.top_k, s.num_local_experts, num_experts));
+                       moe_expected_routes(s.num_tokens * s.top_k, s.num_local_experts, num_experts),
+                       /*w1_gate_up=*/false);
 }
 
 }  // namespace

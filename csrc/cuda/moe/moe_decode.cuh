@@ -143,8 +143,21 @@ struct DecodeParams {
   bool fresh_a = false;                         // a was written in this kernel (stage_b)
   const float* w_scale = nullptr;
   const float* limits = nullptr;                // SwiGLUStep's per-expert limit
+  bool w_gate_up = false;                       // GEMM1: w holds [gate; up] halves, not 32-row interleave
   void* out = nullptr;                          // GEMM1: [rows, n / 2]; GEMM2: [rows, n]
 };
+
+// The first of this warp's 16 weight rows in tile m_tile (kTileM rows) of expert e. GEMM1's tile is
+// up in rows 0-31 and gate in 32-63 whatever w1's layout: interleaved at 32 rows that is w's rows
+// [64 m_tile, 64 m_tile + 64) in order; with [gate; up] halves (w_gate_up) warps 0-1 read up rows
+// n / 2 + 32 m_tile + [0, 32) and warps 2-3 gate rows 32 m_tile + [0, 32): the same 16 contiguous
+// rows a warp, so the copies and everything after them are the same.
+__device__ __forceinline__ const uint8_t* warp_weight_rows(const DecodeParams& p, int e, int m_tile) {
+  const int warp = threadIdx.x / 32;
+  const int64_t row = p.w_gate_up ? (warp < 2 ? p.n / 2 : 0) + m_tile * (kTileM / 2) + 16 * (warp % 2)
+                                  : m_tile * kTileM + 16 * warp;
+  return p.w + (int64_t(e) * p.n + row) * p.k_bytes;
+}
 
 // One pipeline step's weights: kUnroll 64-byte blocks of the thread's two rows (g and g + 8).
 struct StepRegs {

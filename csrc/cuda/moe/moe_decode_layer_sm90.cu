@@ -40,6 +40,7 @@ struct LayerParams {
   int local_offset = 0;
   int num_local = 0;
   const uint8_t* w1 = nullptr;      // [E_local, 2I, hidden]
+  bool w1_gate_up = false;          // w1 as [gate; up] halves (else up/gate interleaved at 32 rows)
   const uint8_t* w2 = nullptr;      // [E_local, hidden, I]
   int hidden = 0;
   int inter = 0;
@@ -200,6 +201,7 @@ __device__ DecodeParams layer_decode_params(const LayerParams& lp, const LayerRo
   p.n = gemm1 ? 2 * lp.inter : lp.hidden;
   p.k_bytes = (gemm1 ? lp.hidden : lp.inter) * lp.w_bytes;
   p.w = gemm1 ? lp.w1 : lp.w2;
+  p.w_gate_up = gemm1 && lp.w1_gate_up;
   p.quantize_a = lp.w_bytes == 1;  // fp8 weights take 16-bit activations quantized on the way in
   p.a = gemm1 ? lp.x : lp.h;
   p.a_scale = gemm1 ? lp.x_scale : lp.fc2_scale;
@@ -224,7 +226,7 @@ __device__ LayerUnit layer_unit(const DecodeParams& p, const LayerRoutes& r, con
   u.l = u.item / sp.tiles;
   u.m_tile = u.item % sp.tiles;
   u.e = r.expert[u.l];
-  u.warp_rows = p.w + (int64_t(u.e) * p.n + u.m_tile * kTileM + 16 * (threadIdx.x / 32)) * p.k_bytes;
+  u.warp_rows = warp_weight_rows(p, u.e, u.m_tile);
   const int steps = p.k_bytes / kStepRowBytes;
   const int first_slice = u.part * sp.slices / sp.share, end_slice = (u.part + 1) * sp.slices / sp.share;
   u.first_step = sp.share > 1 ? first_slice * kSliceSteps : 0;
@@ -465,6 +467,7 @@ void moe_decode_layer(const MoeDecodeLayerArgs& a, MoeDecodeElement element, cud
   p.local_offset = static_cast<int>(a.local_offset);
   p.num_local = static_cast<int>(a.num_local);
   p.w1 = static_cast<const uint8_t*>(a.w1);
+  p.w1_gate_up = a.w1_gate_up;
   p.w2 = static_cast<const uint8_t*>(a.w2);
   p.hidden = static_cast<int>(a.hidden);
   p.inter = static_cast<int>(a.inter);

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_gemm_kernel(DecodePara
       }
     }
   }
-  const uint8_t* warp_rows = p.w + (int64_t(e) * p.n + m_tile * kTileM + 16 * (threadIdx.x / 32)) * p.k_bytes;
+  const uint8_t* warp_rows = warp_weight_rows(p, e, m_tile);
   float a_scale = 1.0f;
   for (int64_t first = row_begin; first < row_end; first += kRowsPerPass) {
     const Pass s = make_pass(p, first, row_end);
@@ -91,6 +91,7 @@ void moe_decode_gemm(const MoeDecodeGemmArgs& a, MoeDecodeElement element, bool 
   p.a_scale = a.a_scale;
   p.w_scale = a.w_scale;
   p.limits = a.limits;
+  p.w_gate_up = swiglu && a.w_gate_up;
   p.out = a.out;
   p.quantize_a = a.quantize_a;
   p.a_elements = a.a_elements;

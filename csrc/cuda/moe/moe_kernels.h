@@ -55,11 +55,12 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
                               float* slots, void* gathered, const GatherInverse& inverse, cudaStream_t stream,
                               bool pdl);
 
-// out[p, j] = silu(gate) * up of h[p] ([rows, 2I], up/gate interleaved at 32 columns), in fp32,
-// rounded once to the element type; rows p >= offsets[E] get zeros. With `limits` (float32
-// [E]): SwiGLUStep, min(silu(gate), L) * clamp(up, -L, L), L the limit of row p's expert.
+// out[p, j] = silu(gate) * up of h[p] ([rows, 2I], up/gate interleaved at 32 columns, or with
+// gate_up [gate | up] halves), in fp32, rounded once to the element type; rows p >= offsets[E] get
+// zeros. With `limits` (float32 [E]): SwiGLUStep, min(silu(gate), L) * clamp(up, -L, L), L the
+// limit of row p's expert.
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
-                const float* limits, void* out, bool is_bf16, cudaStream_t stream, bool pdl);
+                const float* limits, bool gate_up, void* out, bool is_bf16, cudaStream_t stream, bool pdl);
 
 // The float element types the routing and quantization kernels read.
 enum class FloatType { kFloat, kBFloat16, kHalf };
@@ -114,6 +115,7 @@ struct MoeDecodeGemmArgs {
   int64_t a_elements = 0;
   const float* w_scale = nullptr;  // fp8, [E]
   const float* limits = nullptr;   // GEMM1's SwiGLUStep, [E]
+  bool w_gate_up = false;          // GEMM1: w [E, n, K] holds [gate; up] halves (else up/gate interleaved at 32)
   void* out = nullptr;
 };
 // The shapes the decode kernel takes: n % 64 == 0 and K bytes % kMoeDecodeStepBytes == 0.
@@ -136,7 +138,8 @@ struct MoeDecodeLayerArgs {
   const float* scales = nullptr;
   int64_t local_offset = 0;
   int64_t num_local = 0;
-  const void* w1 = nullptr;  // [E_local, 2I, hidden]
+  const void* w1 = nullptr;  // [E_local, 2I, hidden]: up/gate interleaved at 32 rows, or [gate; up] halves
+  bool w1_gate_up = false;   // ... the latter
   const void* w2 = nullptr;  // [E_local, hidden, I]
   int64_t hidden = 0;
   int64_t inter = 0;

@@ -523,11 +523,12 @@ struct Vec8 {
 // block (32, kSwigluRows): threadIdx.x walks the 16-byte output vectors of a row, threadIdx.y rows.
 constexpr int kSwigluRows = 8;
 
-// A 64-column chunk of h is 8 vectors: up in vectors 0-3, gate in 4-7 (32-row interleave).
+// A 64-column chunk of h is 8 vectors: up in vectors 0-3, gate in 4-7 (32-row interleave); with gate_up,
+// h is [gate | up] halves of inter_vecs vectors each.
 template <class T>
 __global__ void __launch_bounds__(32 * kSwigluRows)
     moe_swiglu_kernel(const uint4* __restrict__ h, int64_t rows, int64_t inter_vecs, const int32_t* offsets,
-                      int num_experts, const float* limits, uint4* __restrict__ out) {
+                      int num_experts, const float* limits, bool gate_up, uint4* __restrict__ out) {
   pdl_wait();
   pdl_launch_dependents();
   const int64_t kept = std::min<int64_t>(offsets[num_experts], rows);
@@ -540,10 +541,12 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
       *dst = make_uint4(0, 0, 0, 0);
       continue;
     }
-    const uint4* chunk = h + row * 2 * inter_vecs + (v / 4) * 8;
+    const uint4* h_row = h + row * 2 * inter_vecs;
+    const uint4* up_vec = gate_up ? h_row + inter_vecs + v : h_row + (v / 4) * 8 + v % 4;
+    const uint4* gate_vec = gate_up ? h_row + v : h_row + (v / 4) * 8 + 4 + v % 4;
     float up[8], gate[8], r[8];
-    Vec8<T>::load(__ldg(chunk + v % 4), up);
-    Vec8<T>::load(__ldg(chunk + 4 + v % 4), gate);
+    Vec8<T>::load(__ldg(up_vec), up);
+    Vec8<T>::load(__ldg(gate_vec), gate);
     if (limits == nullptr) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) r[j] = swiglu_value(up[j], gate[j], false, 0.0f);
@@ -1052,7 +1055,7 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
 }
 
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
-                const float* limits, void* out, bool is_bf16, cudaStream_t stream, bool pdl) {
+                const float* limits, bool gate_up, void* out, bool is_bf16, cudaStream_t stream, bool pdl) {
   if (rows == 0 || inter == 0) return;
   TORCH_CHECK(inter % 32 == 0, "cake MoE SwiGLU: I must be a multiple of 32 (internal error)");
   const int64_t inter_vecs = inter / 8;
@@ -1060,7 +1063,7 @@ void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offse
                   static_cast<unsigned>(std::min<int64_t>((rows + kSwigluRows - 1) / kSwigluRows, 65535)));
   auto kernel = is_bf16 ? moe_swiglu_kernel<__nv_bfloat16> : moe_swiglu_kernel<__half>;
   launch_kernel(kernel, grid, dim3(32, kSwigluRows), 0, stream, pdl, static_cast<const uint4*>(h), rows,
-                inter_vecs, offsets, num_experts, limits, static_cast<uint4*>(out));
+                inter_vecs, offsets, num_experts, limits, gate_up, static_cast<uint4*>(out));
 }
 
 void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,

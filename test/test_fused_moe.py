@@ -483,6 +483,24 @@ def tiny_transformers_model(family, device):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_transformers_experts_implementation_infers_like_eager(device, family):
+    """Inference (no_grad): Mixtral's and Qwen3-MoE's experts run fused_moe_bf16 on their own weights, gpt-oss's
+    (biases, its own clamped gate) the grouped_mm path; the logits of each are eager's, bf16 rounding apart."""
+    cake_ops_nn.register_transformers_experts()
+    model = tiny_transformers_model(family, device).eval()
+    ids = torch.randint(0, 101, (2, 9), device=device)
+    logits = {}
+    with torch.no_grad():
+        for impl in ("eager", "cake"):
+            model.set_experts_implementation(impl)
+            with RecordOps() as record:
+                logits[impl] = model(ids).logits.float()
+    fused_calls = record.ops.count("cake.moe_gemm1_swiglu.default")
+    assert fused_calls == (0 if family == "gpt_oss" else 2)
+    assert rel_err(logits["cake"], logits["eager"]) < 2e-2
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_transformers_experts_implementation_trains_like_eager(device, family):
     cake_ops_nn.register_transformers_experts()
     model = tiny_transformers_model(family, device)
@@ -519,15 +537,25 @@ def test_transformers_experts_forward_compiles_with_backward(device):
         assert torch.equal(a, b)
 
 
-def test_transformers_experts_forward_runs_cake_ops_and_drops_sentinels():
-    """Expert-parallel sentinels (ids >= num_experts) contribute zero; the sort and GEMMs are cake's."""
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_transformers_experts_forward_runs_cake_ops_and_drops_sentinels(grad):
+    """Expert-parallel sentinels (ids >= num_experts) contribute zero; the sort and GEMMs are cake's: grouped_mm's
+    where a gradient is wanted, fused_moe_bf16's ops (on the [gate; up] weights as they are) in inference."""
     experts = tiny_transformers_model("mixtral", "cpu").model.layers[0].mlp.experts
     x = torch.randn(6, 128).bfloat16()
     ids = torch.tensor([[0, 3], [8, 1], [3, 8], [8, 8], [7, 0], [2, 5]])
     weights = torch.rand(6, 2)
-    with torch.no_grad(), RecordOps() as record:
+    with torch.set_grad_enabled(grad), RecordOps() as record:
         got = cake_ops_nn.transformers_experts_forward(experts, x, ids, weights)
-    assert {"cake.moe_sort.default", "cake.grouped_gemm_fwd.default"} <= set(record.ops)
+    assert got.requires_grad == grad
+    fused = {"cake.moe_sort.default", "cake.moe_gemm1_swiglu.default", "cake.moe_gemm2.default",
+             "cake.moe_finalize.default"}
+    if grad:
+        assert {"cake.moe_sort.default", "cake.grouped_gemm_fwd.default"} <= set(record.ops)
+        assert not (fused - {"cake.moe_sort.default"}) & set(record.ops)
+    else:
+        assert fused <= set(record.ops) and "cake.grouped_gemm_fwd.default" not in record.ops
+    got = got.detach()
     want = torch.zeros(6, 128)
     for t in range(6):
         for j in range(2):

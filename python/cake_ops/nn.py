@@ -12,7 +12,8 @@ Forward only: the expert weights are buffers, not trained.
 ``register_transformers_experts()`` adds ``"cake"`` to the experts implementations of Hugging Face
 transformers (>= 5): ``from_pretrained(..., experts_implementation="cake")`` or
 ``model.set_experts_implementation("cake")`` then runs each experts module's forward and backward
-on cake's token sort and grouped GEMMs, on the model's own weights (no copy), for training too.
+on cake's token sort and grouped GEMMs, on the model's own weights (no copy), for training too; in
+inference, plain SwiGLU experts run as one ``fused_moe_bf16`` call on their ``[gate; up]`` weights.
 """
 from __future__ import annotations
 
@@ -231,6 +232,29 @@ def replace_sparse_moe_blocks(model: torch.nn.Module, **kwargs) -> int:
 # Hugging Face transformers' experts interface
 
 
+def _runs_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+    """Whether an experts module's forward can be one fused_moe_bf16 call on its own weights: nothing to
+    differentiate, transformers' plain SwiGLU experts (gate-first ``gate_up_proj [E, 2I, H]``, no bias, the
+    default gate on silu) in bf16 / fp16, and the fused kernels' shape rules (H % 64, I % 32)."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+        return False
+    tensors = (hidden_states, top_k_weights, gate_up, down)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    plain = (getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
+             and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True)
+             and getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+             and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)))
+    hidden, inter = hidden_states.shape[-1], gate_up.shape[1] // 2
+    return (plain and hidden_states.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == hidden_states.dtype
+            and down.dtype == hidden_states.dtype and gate_up.is_contiguous() and down.is_contiguous()
+            and hidden % 64 == 0 and inter % 32 == 0 and list(down.shape[1:]) == [hidden, inter])
+
+
 def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                  top_k_weights: torch.Tensor) -> torch.Tensor:
     """The forward of a transformers (>= 5) experts module on cake's kernels, as its ``"grouped_mm"``
@@ -239,9 +263,16 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     layout, no copy; bias and gating as the module defines them), and the weighted routes are summed per
     token in float32. Routes to ids outside ``[0, num_experts)`` (expert-parallel sentinels) contribute
     zero. Differentiable: the projection weights' gradients come from cake's deterministic wgrad kernel (the
-    biases' and the hidden states' from torch's indexed adds, as in transformers' own implementations)."""
+    biases' and the hidden states' from torch's indexed adds, as in transformers' own implementations).
+    Where nothing needs a gradient, plain SwiGLU experts run as one :func:`fused_moe_bf16` call on the
+    ``[gate; up]`` weights as they are (``w1_layout="gate_up"``) with its fixed-order float32 combine
+    (``use_fused_finalize=False``: deterministic, as the sum above)."""
     num_tokens, top_k = top_k_index.shape
     num_experts = experts.num_experts
+    if _runs_fused(experts, hidden_states, top_k_weights):
+        return fused_moe_bf16(hidden_states.contiguous(), top_k_index.to(torch.int32).contiguous(),
+                              top_k_weights.float().contiguous(), experts.gate_up_proj, experts.down_proj,
+                              num_experts, top_k, use_fused_finalize=False, w1_layout="gate_up")
     transposed = getattr(experts, "is_transposed", False)
     bias = getattr(experts, "has_bias", False)
     _, m_indptr, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(

@@ -1,6 +1,7 @@
 """One transformers (>= 5) experts module under its "cake" experts implementation
 (cake_ops.nn.register_transformers_experts: moe_sort + cake_ops.grouped_mm) against transformers' own
-"grouped_mm" one (torch._grouped_mm), forward and forward + backward, timed in rotation in one run.
+"grouped_mm" one (torch._grouped_mm), timed in rotation in one run: "fwd" under no_grad (inference: cake runs
+one fused_moe_bf16 call on the module's [gate; up] weights) and "fwd+bwd" (training: cake's sort and grouped_mm).
 
     python benchmarks/bench_transformers_experts.py [--shapes qwen3_30b,mixtral_8x7b] [--tokens 1024,4096]
 """

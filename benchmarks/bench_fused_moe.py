@@ -96,6 +96,10 @@ def run(args):
     compiled_tokens = {int(v) for v in args.compiled_tokens.split(",")} if args.compiled_tokens else None
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     compiled_moe = torch.compile(torch_moe, dynamic=False)
+    main_layout = "gate_up" if args.w1_layout == "gate_up" else "interleaved"
+    if args.w1_layout == "both":
+        print("# gu/il: fused_moe_bf16 with w1 as [gate; up] halves (w1_layout='gate_up') over the interleaved "
+              "w1, fused finalize, graph replays")
     rows = []
     for name in names:
         e, k, h, inter, e_local, offset = {**MODELS, **CPU_MODELS}[name]
@@ -116,12 +120,17 @@ def run(args):
             rate, dense_rows = dense_rate_for(timer, rates, routes, h, inter, device)
             row = {"model": name, "T": t, "E": e, "top_k": k, "hidden": h, "I": inter, "E_local": e_local,
                    "weight_floor_ms": touched * 3 * h * inter * 2 / (HBM_TBPS * 1e12) * 1e3,
-                   "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate, "dense_rows": dense_rows}
+                   "flop_floor_ms": flops / (rate * 1e12) * 1e3, "dense_tflops": rate, "dense_rows": dense_rows,
+                   "w1_layout": main_layout}
 
-            def cake(fused):
-                return lambda: fused_moe_bf16(x, ids, scales, w1i, w2, e, k, e_local, offset, use_fused_finalize=fused)
+            def cake(fused, layout=main_layout):
+                weights = w1 if layout == "gate_up" else w1i
+                return lambda: fused_moe_bf16(x, ids, scales, weights, w2, e, k, e_local, offset,
+                                              use_fused_finalize=fused, w1_layout=layout)
             eager = {"cake_fused": (cake(True), None), "cake_det": (cake(False), None),
                      "torch": (lambda: torch_moe(x, ids, scales, w1, w2, e_local, offset), None)}
+            if args.w1_layout == "both":
+                eager["cake_fused_gu"] = (cake(True, "gate_up"), None)
             if args.compiled and (compiled_tokens is None or t in compiled_tokens):
                 eager["torch_compiled"] = (lambda: compiled_moe(x, ids, scales, w1, w2, e_local, offset), None)
             if args.autotune is not None:
@@ -129,11 +138,15 @@ def run(args):
                 with cake_ops.autotune(cache_file=args.autotune or None):
                     eager["cake_fused"][0](), eager["cake_det"][0]()
             # Both pipelines compute the same thing: check before timing.
-            a, b = eager["cake_det"][0]().float(), eager["torch"][0]().float()
-            row["rel_diff_vs_torch"] = float((a - b).norm() / b.norm().clamp_min(1e-30)) if t else 0.0
-            if row["rel_diff_vs_torch"] > 3e-2:
-                raise AssertionError(f"{name} T={t}: cake and the torch pipeline differ by {row['rel_diff_vs_torch']:.3g}")
-            graphed = {f"{p}_graph": eager[p] for p in ("cake_fused", "cake_det")} if device == "cuda" else {}
+            b = eager["torch"][0]().float()
+            for peer in ("cake_det", "cake_fused_gu")[:1 + (args.w1_layout == "both")]:
+                a = eager[peer][0]().float()
+                diff = float((a - b).norm() / b.norm().clamp_min(1e-30)) if t else 0.0
+                if diff > 3e-2:
+                    raise AssertionError(f"{name} T={t}: cake ({peer}) and the torch pipeline differ by {diff:.3g}")
+                row.setdefault("rel_diff_vs_torch", diff)
+            graphed = {f"{p}_graph": eager[p] for p in ("cake_fused", "cake_det", "cake_fused_gu")
+                       if p in eager} if device == "cuda" else {}
             results = timer.many({**eager, **graphed}, graphs=set(graphed))
             for peer, ms in results.items():
                 row[f"{peer}_ms" if not isinstance(ms, str) else f"{peer}_error"] = ms
@@ -149,6 +162,9 @@ def run(args):
                     row["speedup_vs_torch_compiled"] = row["torch_compiled_ms"] / best
             if row.get("cake_det_ms") and row.get("cake_fused_ms"):
                 row["det_over_fused"] = row["cake_det_ms"] / row["cake_fused_ms"]
+            gu = row.get("cake_fused_gu_graph_ms", row.get("cake_fused_gu_ms"))
+            if gu and best:
+                row["gate_up_over_interleaved"] = gu / best
             rows.append(row)
             print_row(row)
     return device, rows
@@ -163,7 +179,8 @@ def print_row(r):
             "torch_compiled_ms", "weight_floor_ms", "flop_floor_ms"]
     print(f"{r['model']:13} {r['T']:6d} " + " ".join(fmt(r.get(c), "8.3f") for c in cols) +
           f" {fmt(r.get('cake_x_floor'), '7.2f')} {fmt(r.get('speedup_vs_torch'), '7.2f')}"
-          f" {fmt(r.get('speedup_vs_torch_compiled'), '7.2f')} {fmt(r.get('cake_tflops'), '6.1f')}", flush=True)
+          f" {fmt(r.get('speedup_vs_torch_compiled'), '7.2f')} {fmt(r.get('cake_tflops'), '6.1f')}"
+          + (f" {fmt(r['gate_up_over_interleaved'], '6.3f')}" if "gate_up_over_interleaved" in r else ""), flush=True)
 
 
 def summarize(rows, keys):
@@ -260,7 +277,8 @@ def report(args, run, header, print_row, summary_keys, series, panels):
         plot_panels(panels(rows), series, args.plot)
 
 
-SUMMARY_KEYS = ("cake_x_floor", "speedup_vs_torch", "speedup_vs_torch_compiled", "det_over_fused")
+SUMMARY_KEYS = ("cake_x_floor", "speedup_vs_torch", "speedup_vs_torch_compiled", "det_over_fused",
+                "gate_up_over_interleaved")
 SERIES = [("cake_fused_graph_ms", "r-o"), ("cake_fused_ms", "r--"), ("cake_det_ms", "m:"), ("torch_ms", "b-s"),
           ("torch_compiled_ms", "c-^"), ("weight_floor_ms", "k:"), ("flop_floor_ms", "k-.")]
 
@@ -278,10 +296,15 @@ def main():
     p.add_argument("--autotune", nargs="?", const="", default=None, metavar="CACHE_FILE",
                    help="tune both paths' GEMMs under cake_ops.autotune() before timing each (model, T); "
                         "the winners go to CACHE_FILE when given")
+    p.add_argument("--w1-layout", choices=("interleaved", "gate_up", "both"), default="interleaved",
+                   help="w1 as fused_moe_bf16 takes it: interleaved at 32 rows (the default), or transformers' "
+                        "[gate; up] halves (w1_layout='gate_up'); 'both' times the halves too, fused finalize, "
+                        "as a last column (gate_up / interleaved)")
     add_output_args(p, "say, one per model where the compiled peer's compiles take a call each")
     args = p.parse_args()
     check_names(p, "--models", args.models, {**MODELS, **CPU_MODELS})
-    report(args, run, HEADER, print_row, SUMMARY_KEYS, SERIES, panels_by_model)
+    header = HEADER.replace("TF/s  (ms)", "TF/s  gu/il  (ms)") if args.w1_layout == "both" else HEADER
+    report(args, run, header, print_row, SUMMARY_KEYS, SERIES, panels_by_model)
 
 
 def panels_by_model(rows):

@@ -71,6 +71,23 @@ def test_fused_moe_bench_merges_runs(tmp_path):
     assert sum(line.startswith(("tiny ", "tiny_ep ")) for line in table.splitlines()) == 4
 
 
+@pytest.mark.parametrize("layout", ["gate_up", "both"])
+def test_fused_moe_bench_times_the_w1_layouts(tmp_path, layout):
+    """--w1-layout gate_up hands fused_moe_bf16 transformers' [gate; up] w1 as it is; 'both' times it beside the
+    interleaved w1 and prints their ratio as a last column."""
+    out = tmp_path / "out.json"
+    table = run_bench("bench_fused_moe.py", "--cpu", "--reps", "2", "--warmup", "1", "--no-compiled", "--models", "tiny",
+                      "--tokens", "1,16", "--w1-layout", layout, "--json", str(out))
+    result = json.loads(out.read_text())
+    assert [r["w1_layout"] for r in result["rows"]] == ["gate_up" if layout == "gate_up" else "interleaved"] * 2
+    ratios = [r.get("gate_up_over_interleaved") for r in result["rows"]]
+    if layout == "both":
+        assert all(v > 0 for v in ratios) and "gu/il" in table
+        assert result["summary"]["gate_up_over_interleaved"]["geomean"] > 0
+    else:
+        assert ratios == [None, None] and "gu/il" not in table
+
+
 def test_stepfun_bench_merges_runs(tmp_path):
     """--from-json prints and summarizes the rows of runs made apart (one family each here), unchanged."""
     parts = []

@@ -211,16 +211,18 @@ PyObject* grouped_gemm_tactics(PyObject*, PyObject* arg) {
   }
 }
 
-// "none", "swiglu" (the MoE GEMM1 in one kernel) or "scatter" (the MoE GEMM2 with the fused
-// finalize) -> the epilogue twin; false for any other name.
-// The names epilogue_twin_named accepts, for error messages.
-constexpr const char* kEpilogueTwinNames = "none, swiglu, gather_swiglu or scatter";
+// "none", "swiglu" (the MoE GEMM1 in one kernel; "gather_swiglu" gathering its rows too; "swiglu_gu" /
+// "gather_swiglu_gu" the same with w1 as [gate; up] halves) or "scatter" (the MoE GEMM2 with the fused
+// finalize) -> the epilogue twin; false for any other name. kEpilogueTwinNames: them, for error messages.
+constexpr const char* kEpilogueTwinNames = "none, swiglu, gather_swiglu, swiglu_gu, gather_swiglu_gu or scatter";
 
 bool epilogue_twin_named(const std::string& name, cake::EpilogueTwin* twin) {
   if (name == "none") *twin = cake::EpilogueTwin::kNone;
   else if (name == "swiglu") *twin = cake::EpilogueTwin::kSwiGlu;
   else if (name == "scatter") *twin = cake::EpilogueTwin::kScatter;
   else if (name == "gather_swiglu") *twin = cake::EpilogueTwin::kGatherSwiGlu;
+  else if (name == "swiglu_gu") *twin = cake::EpilogueTwin::kSwiGluGateUp;
+  else if (name == "gather_swiglu_gu") *twin = cake::EpilogueTwin::kGatherSwiGluGateUp;
   else return false;
   return true;
 }
@@ -233,7 +235,8 @@ PyObject* grouped_gemm_epilogue_twins(PyObject*, PyObject* args) {
   cake::EpilogueTwin twin;
   if (!epilogue_twin_named(kind, &twin) || twin == cake::EpilogueTwin::kNone) {
     PyErr_SetString(PyExc_ValueError,
-                    "grouped_gemm_epilogue_twins: kind must be 'swiglu', 'scatter' or 'gather_swiglu'");
+                    "grouped_gemm_epilogue_twins: kind must be 'swiglu', 'scatter', 'gather_swiglu', 'swiglu_gu' or "
+                    "'gather_swiglu_gu'");
     return nullptr;
   }
   try {

@@ -46,15 +46,18 @@ def test_matches_float32_reference(device, dtype, fused_finalize, case):
 @pytest.mark.parametrize("case", ["top8", "hot_expert", "ep_shard", "one_token", "no_tokens"])
 def test_gate_up_weights_as_they_are(device, fused_finalize, case):
     """w1_layout="gate_up": the [gate; up] halves (transformers' gate_up_proj) without interleaving them, with the
-    interleaved weights' numbers (but for the odd last bit where the grouped GEMM1's SwiGLU runs as a kernel of
-    its own) and the reference's."""
+    interleaved weights' numbers, bit for bit on the deterministic path (bf16 GEMM1 tiles have gate-up twins: the
+    same products, other columns), and the reference's."""
     x, ids, scales, w1, w2, e, k, e_local, offset = problem(case, device, torch.bfloat16)
     got = fused_moe_bf16(x, ids, scales, w1, w2, e, k, e_local, offset, use_fused_finalize=fused_finalize,
                          w1_layout="gate_up")
     want = fused_moe_bf16(x, ids, scales, interleave_up_gate_sm90(w1), w2, e, k, e_local, offset,
                           use_fused_finalize=fused_finalize)
     assert got.shape == want.shape and got.dtype == want.dtype
-    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    if fused_finalize:  # atomics: the k routes of a token add in any order
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(got, want)
     if x.shape[0]:
         assert rel_err(got, reference.moe_forward(x, ids, scales, w1, w2, e_local, offset)) < 2e-2
 

@@ -494,7 +494,7 @@ def test_tuned_choices_are_kept_per_epilogue(tmp_path):
         assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "scatter") == tuned_scatter
         assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "none") == tuned_plain
         assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "swiglu") == heuristic["swiglu"]  # untuned
-        with pytest.raises(ValueError, match="epilogue must be none, swiglu, gather_swiglu or scatter, got 'gelu'"):
+        with pytest.raises(ValueError, match="epilogue must be none, swiglu, gather_swiglu, swiglu_gu, gather_swiglu_gu or scatter, got 'gelu'"):
             cake_ops._C.set_grouped_gemm_tuned_tactic("fwd", e, m, n, k, 0, "gelu")
         cake_ops.clear_tuning()
         assert cake_ops._C.grouped_gemm_tactic_for("fwd", e, m, n, k, -1, "scatter") == heuristic["scatter"]
@@ -640,7 +640,7 @@ def test_heuristic_expected_rows():
     assert tactic_for("fwd", 48, 8192, 4096, 7168, -1) == tactic_for("fwd", 48, 8192, 4096, 7168)
     # A hint above sum_m counts as sum_m.
     assert tactic_for("fwd", 48, 1024, 4096, 7168, 8192) == tactic_for("fwd", 48, 1024, 4096, 7168)
-    with pytest.raises(ValueError, match="epilogue must be none, swiglu, gather_swiglu or scatter, got 'gelu'"):
+    with pytest.raises(ValueError, match="epilogue must be none, swiglu, gather_swiglu, swiglu_gu, gather_swiglu_gu or scatter, got 'gelu'"):
         tactic_for("fwd", 48, 1024, 4096, 7168, -1, "gelu")
 
 
@@ -950,9 +950,13 @@ def test_grouped_gemm_kernels_are_hopper_wgmma():
     def configs(tactics):
         return {name.split("_raster")[0].split("_swz")[0] for name in tactics}
 
+    def twin_kernels(family, kind):
+        names = configs(cake_ops._C.grouped_gemm_epilogue_twins(family, kind))
+        # A gate-up twin (fixed operands) serves both the ptr-array and the fixed fwd configuration of its tile.
+        return len({n.replace("fixed_", "") for n in names} if kind.endswith("_gu") else names)
+
     families = ("fwd", "dgrad", "wgrad", "wgrad_f32", "fwd_f16", "fwd_e4m3")
-    twins = {f: sum(len(configs(cake_ops._C.grouped_gemm_epilogue_twins(f, kind)))
-                    for kind in ("swiglu", "scatter", "gather_swiglu"))
+    twins = {f: sum(twin_kernels(f, kind) for kind in ("swiglu", "scatter", "gather_swiglu", "swiglu_gu", "gather_swiglu_gu"))
              for f in ("fwd", "fwd_f16", "fwd_e4m3")}
     expected = len(configs(name for f in families for name in cake_ops._C.grouped_gemm_tactics(f))) + sum(twins.values())
     assert len(gemms) == expected, f"expected {expected} grouped GEMM kernels, found {len(gemms)}"

@@ -349,13 +349,18 @@ def gate_up_halves(w1):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda_only)])
 @pytest.mark.parametrize("limits", [False, True], ids=["swiglu", "swiglu_step"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
-def test_gemm1_reads_gate_up_halves(device, dtype, limits):
+@pytest.mark.parametrize("dtype,hidden,inter", [(torch.bfloat16, 256, 192), (torch.float16, 256, 192),
+                                                (torch.float8_e4m3fn, 256, 192), (torch.bfloat16, 200, 1056)],
+                         ids=["bf16", "f16", "e4m3", "bf16_wide"])
+def test_gemm1_reads_gate_up_halves(device, dtype, hidden, inter, limits):
     """w1_gate_up=True: w1 as [gate; up] halves gives the interleaved weights' numbers on every path. The CPU;
-    on CUDA the decode kernel (tactic -2: the same wgmmas, bit for bit), each tile with a SwiGLU twin (with
-    halves the tile's plain GEMM, then the SwiGLU kernel: equal but for the odd last bit of exp, as in
-    test_gemm1_swiglu_in_the_gemm_epilogue) and the automatic choice; the _out op writes the same."""
-    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(dtype, limits)
+    on CUDA the decode kernel (tactic -2: the same wgmmas, bit for bit), each tile with a SwiGLU twin and the
+    automatic choice. bf16: the tile's gate-up twin (gathering up to 2I = 2048, I = 192; not past it, I = 1056),
+    whose two weight boxes a stage land the same rows' products in the other columns, so bit for bit too; I % 128
+    != 0 in both, so the 256-column tiles' last gate box runs into the up half. fp16 / e4m3: the tile's plain GEMM,
+    then the SwiGLU kernel (equal but for the odd last bit of exp, as in test_gemm1_swiglu_in_the_gemm_epilogue).
+    The _out op writes the same."""
+    x, w1, p2e, offsets, k, lim, scales, kept, inter = ragged_gemm1_problem(dtype, limits, hidden, inter)
     halves = gate_up_halves(w1)
     assert torch.equal(interleave_up_gate_sm90(halves.view(torch.uint8)), w1.view(torch.uint8))
     move = (lambda v: v.to(device) if v is not None else None)
@@ -365,13 +370,14 @@ def test_gemm1_reads_gate_up_halves(device, dtype, limits):
     if device == "cuda":
         family, prefix, tiles = SWIGLU_TWINS[dtype]
         names = cake_ops._C.grouped_gemm_tactics(family)
-        tactics += [-2] + [names.index(prefix + tile) for tile in tiles]
+        decode = [-2] if hidden * x.element_size() % 256 == 0 else []  # the decode kernel's K rule
+        tactics += decode + [names.index(prefix + tile) for tile in tiles]
     for tactic in tactics:
         want = torch.ops.cake.moe_gemm1_swiglu(x, w1, p2e, offsets, k, True, lim, tactic, *scales)
         got = torch.ops.cake.moe_gemm1_swiglu(x, halves, p2e, offsets, k, True, lim, tactic, *scales, w1_gate_up=True)
         assert torch.equal(got[kept:], torch.zeros_like(got[kept:])), tactic
-        if tactic == -2:
-            assert torch.equal(got, want)
+        if tactic == -2 or dtype == torch.bfloat16:
+            assert torch.equal(got, want), tactic
         else:
             same = (got[:kept] == want[:kept]).float().mean().item()
             assert same > 0.999, (tactic, same)
@@ -400,12 +406,20 @@ GATHER_TWINS = {torch.bfloat16: ("fwd", "fwd_bf16_", ["coop_128x256x64_c1x2", "c
                 torch.float16: ("fwd_f16", "fwd_f16_", ["coop_128x256x64_c1x2", "coop_128x256x64_c2x1"])}
 
 
+# The gate-up twins (w1 as [gate; up] halves): every bf16 SwiGLU and gathering twin's tile has one (fixed operands,
+# serving the ptr-array tile of the same shape too).
+GATE_UP_TWINS = {torch.bfloat16: SWIGLU_TWINS[torch.bfloat16]}
+GATHER_GATE_UP_TWINS = {torch.bfloat16: GATHER_TWINS[torch.bfloat16]}
+
+
 @pytest.mark.skipif(not hasattr(cake_ops._C, "grouped_gemm_epilogue_twins"), reason="built without CUDA kernels")
 @pytest.mark.parametrize("kind,twins", [("swiglu", SWIGLU_TWINS), ("scatter", SCATTER_TWINS),
-                                        ("gather_swiglu", GATHER_TWINS)])
+                                        ("gather_swiglu", GATHER_TWINS), ("swiglu_gu", GATE_UP_TWINS),
+                                        ("gather_swiglu_gu", GATHER_GATE_UP_TWINS)])
 def test_epilogue_twins_pair_with_their_fwd_tiles(kind, twins):
-    """Twins are found by name (a fwd configuration's, swiglu_ / scatter_ for fwd_): each listed tile has one in
-    every tile order, and no other tile does (a renamed configuration would silently lose its twin)."""
+    """Twins are found by name (a fwd configuration's, swiglu_ / scatter_ for fwd_; the gate-up ones swiglu_gu_ /
+    gather_swiglu_gu_ for fwd_ and fwd_fixed_): each listed tile has one in every tile order, and no other tile does
+    (a renamed configuration would silently lose its twin)."""
     orders = ["", "_rasterN", "_swz4", "_rasterN_swz4"]
     for dtype, (family, prefix, _) in SWIGLU_TWINS.items():
         tiles = twins[dtype][2] if dtype in twins else []

@@ -9,6 +9,7 @@
 #                                                                  transformers_experts_<card>.txt
 #   gg              issue 3's table                                grouped_gemm_<card>.{txt,json,png}
 #   fused:M1,M2     issue 4's table for those models               fused_moe_<card>_M1_M2.{txt,json}
+#   gutest          the GPU tests of w1 as [gate; up] halves and of the epilogue twins   gpu_test_gu_<card>.log
 #   gu              fused_moe_bf16 with w1 as [gate; up] halves against the interleaved w1, Qwen3-30B and
 #                   Mixtral, T 256-16384 (bench_fused_moe --w1-layout both)   w1_layout_<card>.txt
 #   stepfun         issue 5's table                                stepfun_moe_<card>.{txt,json,png}
@@ -17,7 +18,7 @@
 #                                                                  ab_layer_<card>.txt
 # It lives in the repository, not in the git-ignored .whl/, because a session's checkout starts without .whl/.
 # Env: SESSION (for the headers), END (s on the call's clock by which the last step must end; 585),
-# H200_ONLY=1 (run only the steps whose result is a ratio of the same run, suite / api / hf / gu, elsewhere).
+# H200_ONLY=1 (run only the steps whose result is a ratio of the same run, suite / api / hf / gutest / gu, elsewhere).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/device_env.sh >/dev/null
@@ -34,7 +35,7 @@ quiet() { grep -v "DeprecationWarning\|warnings.warn\|^  "; }
 
 for step in "$@"; do
   echo "== $step at $(el) s"
-  if [ "${H200_ONLY:-}" = 1 ] && [ $TAG != h200 ] && [[ $step != suite && $step != api && $step != hf && $step != gu ]]; then
+  if [ "${H200_ONLY:-}" = 1 ] && [ $TAG != h200 ] && [[ $step != suite && $step != api && $step != hf && $step != gutest && $step != gu ]]; then
     echo "(not an H200: $step skipped)"; continue
   fi
   case $step in
@@ -55,6 +56,10 @@ for step in "$@"; do
       models=${step#fused:}; name=fused_moe_${TAG}_${models//,/_}
       cmd="python3 benchmarks/bench_fused_moe.py --models $models --json $OUT/$name.json"
       { header "$step" "${cmd//$OUT\//}"; run_by "$END" 120 $cmd; } 2>&1 | tee "$OUT/$name.txt" ;;
+    gutest)
+      { header gutest "the GPU tests of w1 as [gate; up] halves and of the epilogue twins"
+        run_by "$END" 40 $PYTEST test/test_moe_ops.py test/test_fused_moe.py -k "gate_up or twin or swiglu" 2>&1 | quiet; } \
+        | tee "$OUT/gpu_test_gu_$TAG.log" | tail -5 ;;
     gu)
       cmd="python3 benchmarks/bench_fused_moe.py --models qwen3_30b,mixtral_8x7b --tokens 256,1024,4096,16384 --no-compiled --w1-layout both"
       { header gu "$cmd"; run_by "$END" 60 $cmd; } 2>&1 | tee "$OUT/w1_layout_$TAG.txt" ;;

@@ -213,9 +213,9 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     x ``[T, H]`` bf16/fp16; token_selected_experts ``[T, top_k]`` int32 global ids;
     token_final_scales ``[T, top_k]`` float32; w1_weight ``[E_local, 2I, H]`` up/gate interleaved
     at 32 rows (:func:`interleave_up_gate_sm90`), or with ``w1_layout="gate_up"`` gate-first
-    ``[gate; up]`` halves as they are (transformers' ``gate_up_proj``; the same numbers, no copy; past
-    decode sizes GEMM1 then stores its product and applies the SwiGLU in a kernel of its own, where
-    interleaved weights have it in the GEMM's epilogue); w2_weight ``[E_local, H, I]``. Routes to experts
+    ``[gate; up]`` halves as they are (transformers' ``gate_up_proj``; the same numbers, no copy; bf16
+    GEMM1 tiles load a tile's gate and up rows as two boxes and keep the SwiGLU in their epilogue, fp16
+    ones store the product for a SwiGLU kernel); w2_weight ``[E_local, H, I]``. Routes to experts
     outside ``[local_expert_offset, local_expert_offset + num_local_experts)`` (other shards, or
     ids outside ``[0, num_experts)``) contribute zero. Needs H % 64 == 0 and I % 32 == 0.
     Returns ``[T, H]`` in x's dtype (``moe_output`` when given, overwritten); the GEMM1 output
@@ -302,11 +302,13 @@ def fused_moe_bf16(x: torch.Tensor, token_selected_experts: torch.Tensor, token_
     # GEMM1's rows past the last local expert's end are left unwritten (zero_tail=False): GEMM2 and
     # the finalize never read them, and on an expert-parallel shard they are most of the tensor
     # (Kimi-K2 EP8 shard, T=16384: 2.69 -> 2.54 ms, benchmarks/results/ab_gemm1_tail_h200.txt).
-    # With gate_up weights GEMM1 runs the plain GEMM's tactics (no SwiGLU epilogue twin), tuned as such.
+    # With fp16 gate_up weights GEMM1 runs the plain GEMM's tactics (bf16 ones have gate-up SwiGLU twins), tuned
+    # as such.
     if tune:
         tune_grouped_gemm(family, lambda: (num_local, routes, 2 * intermediate, hidden), lambda: torch.ops.cake.moe_gemm1_swiglu(
             x, w1_weight, permuted_to_expanded, offsets, top_k, enable_pdl, expected_routes=hint, zero_tail=False,
-            expanded_to_permuted=expanded_to_permuted, w1_gate_up=gate_up), x.device, "none" if gate_up else "swiglu")
+            expanded_to_permuted=expanded_to_permuted, w1_gate_up=gate_up), x.device,
+            "none" if gate_up and x.dtype == torch.float16 else "swiglu")
     # GEMM1 gathers a large x in token order through the sort's inverse (expanded_to_permuted).
     if intermediate_buffer is not None:  # GEMM1 writes it in place (an empty workspace: the op sizes its own)
         torch.ops.cake.moe_gemm1_swiglu_out(x, w1_weight, permuted_to_expanded, offsets, top_k, intermediate_buffer,

@@ -16,6 +16,12 @@
 // operands, so a NaN or Inf in a neighbouring group cannot leak in). The output is CUTLASS's TMA store
 // epilogue over dw as one tensor (FixedOutputEpilogue). Cooperative schedule only (all consumers zero a
 // stage).
+// kGateUpHalves (fwd, the MoE GEMM1's SwiGLU twins): B is w1 as [gate; up] halves ([E, 2I, K], gate rows
+// first), and tile t's N columns are its gate rows [t N / 2, (t + 1) N / 2) then the same up rows, I
+// further: two TMA boxes of N / 2 rows a stage, into the tile's two halves of shared memory, from the
+// one descriptor. The SwiGLU epilogue pairs column n with n + N / 2 (swiglu_epilogue_sm90.cuh). Where
+// N / 2 does not divide I, the last tile's gate box runs into up rows (its columns past I are dropped)
+// and its up box past the expert's 2I rows (the TMA fills zeros).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -27,7 +33,7 @@
 namespace cake::sm90 {
 
 // Base: the CollectiveMma that CUTLASS's builder gives for a ptr-array kernel schedule.
-template <class Base, bool kGroupRowsAreK = false>
+template <class Base, bool kGroupRowsAreK = false, bool kGateUpHalves = false>
 struct FixedOperandMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
@@ -44,8 +50,20 @@ struct FixedOperandMainloop : Base {
   using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
   static constexpr int kStages = Base::DispatchPolicy::Stages;
   static constexpr int kBlockK = cute::size<2>(TileShape{});
+  // The rows of B one TMA box brings: the tile's N, or half of it (gate_up halves).
+  static constexpr int kBoxN = cute::size<1>(TileShape{}) / (kGateUpHalves ? 2 : 1);
+  using BoxShape = cute::Shape<cute::Int<cute::size<0>(TileShape{})>, cute::Int<kBoxN>, cute::Int<kBlockK>>;
+  // One stage's box of B in shared memory: the stage's tile, or its first half (rows [0, N / 2): the
+  // K-major swizzle atoms tile N first, so each half is contiguous and laid out alike).
+  using SmemLayoutBoxB = std::conditional_t<
+      kGateUpHalves,
+      decltype(cute::flat_divide(SmemLayoutB{}, cute::Shape<cute::Int<kBoxN>, cute::Int<kBlockK>>{})(
+          cute::_, cute::_, cute::Int<0>{}, cute::Int<0>{}, cute::Int<0>{})),
+      decltype(SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}))>;
 
   static_assert(cute::is_same_v<ElementA, ElementB>, "one input type");
+  static_assert(!kGateUpHalves || (!kGroupRowsAreK && cutlass::gemm::detail::is_k_major<InternalStrideB>()),
+                "gate_up halves: fwd's K-major w1 only");
   static_assert(!kGroupRowsAreK || (cute::is_base_of_v<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                                                        typename Base::DispatchPolicy::Schedule> &&
                                     cutlass::gemm::detail::is_major<0, InternalStrideA>() &&
@@ -71,8 +89,8 @@ struct FixedOperandMainloop : Base {
   using TmaB = decltype(cute::make_tma_copy(
       GmemTiledCopyB{},
       cute::make_tensor(static_cast<ElementB const*>(nullptr), cute::repeat_like(StrideB3{}, int32_t(0)), StrideB3{}),
-      SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
-      cute::make_shape(cute::shape<1>(TileShape{}), cute::shape<2>(TileShape{})), cute::size<0>(ClusterShape{})));
+      SmemLayoutBoxB{}, cute::make_shape(cute::Int<kBoxN>{}, cute::shape<2>(TileShape{})),
+      cute::size<0>(ClusterShape{})));
 
   struct Arguments {
     ElementA const* a = nullptr;   // [rows, k] row-major: every group's rows, packed
@@ -119,8 +137,8 @@ struct FixedOperandMainloop : Base {
     Tensor tensor_b = make_tensor(args.b, make_layout(shape_b, stride_b));
     TmaA tma_a = make_tma_copy(GmemTiledCopyA{}, tensor_a, SmemLayoutA{}(_, _, Int<0>{}),
                                make_shape(shape<0>(TileShape{}), shape<2>(TileShape{})), size<1>(ClusterShape{}));
-    TmaB tma_b = make_tma_copy(GmemTiledCopyB{}, tensor_b, SmemLayoutB{}(_, _, Int<0>{}),
-                               make_shape(shape<1>(TileShape{}), shape<2>(TileShape{})), size<0>(ClusterShape{}));
+    TmaB tma_b = make_tma_copy(GmemTiledCopyB{}, tensor_b, SmemLayoutBoxB{}, make_shape(Int<kBoxN>{}, shape<2>(TileShape{})),
+                               size<0>(ClusterShape{}));
     return {tma_a, tma_b, Base::TmaTransactionBytes, args.rows, args.n, args.k, args.groups, args.offs, args.indptr};
   }
   template <class ProblemShape>
@@ -159,7 +177,7 @@ struct FixedOperandMainloop : Base {
       }
     }();
     Tensor gA_mkl = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BLK_M,BLK_K,m,k,l)
-    Tensor gB_nkl = local_tile(mB, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});  // (BLK_N,BLK_K,n,k,l)
+    Tensor gB_nkl = local_tile(mB, BoxShape{}, make_coord(_, _, _), Step<X, _1, _1>{});   // (BOX_N,BLK_K,n,k,l)
     return make_tuple(gA_mkl, gB_nkl, group_rows);
   }
 
@@ -191,6 +209,32 @@ struct FixedOperandMainloop : Base {
   template <class TensorMaps>
   CUTLASS_DEVICE void tensormaps_fence_acquire(TensorMaps const&) {}
 
+  // B's TMA copies of a stage for tile n_coord of the group's boxes (gB_nkl, (BOX_N,BLK_K,n,k,l)) by this
+  // CTA's slice of the descriptor: the tile's one box, or its gate box and up box (gate_up halves) into the
+  // stage's two halves. copy_b(tma, k_tile, stage) with the descriptor bound to the stage's barrier.
+  template <class GBoxes, class TmaSlice>
+  CUTLASS_DEVICE auto stage_copies_b(Params const& params, GBoxes const& gB_nkl, int n_coord, TmaSlice const& block_tma_b,
+                                     TensorStorage& shared_tensors) const {
+    using namespace cute;
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
+    Tensor gB = gB_nkl(_, _, n_coord, _, 0);                                              // (BOX_N,BLK_K,k)
+    Tensor tBgB = block_tma_b.partition_S(gB);                                            // (TMA,TMA_N,TMA_K,k)
+    if constexpr (!kGateUpHalves) {
+      Tensor tBsB = block_tma_b.partition_D(sB);  // (TMA,TMA_N,TMA_K,PIPE)
+      return [=](auto const& tma, auto k_tile, int stage) { copy(tma, tBgB(_, _, _, k_tile), tBsB(_, _, _, stage)); };
+    } else {
+      Tensor sB_boxes = flat_divide(sB, Shape<Int<kBoxN>, Int<kBlockK>>{});  // (BOX_N,BLK_K,2,1,PIPE)
+      Tensor tBsB = block_tma_b.partition_D(sB_boxes(_, _, 0, 0, _));
+      // The up rows of the same tile: I = N / 2 rows further, into the stage's second half.
+      Tensor tBgB_up = block_tma_b.partition_S(domain_offset(make_coord(params.n / 2, 0, 0), gB));
+      Tensor tBsB_up = block_tma_b.partition_D(sB_boxes(_, _, 1, 0, _));
+      return [=](auto const& tma, auto k_tile, int stage) {
+        copy(tma, tBgB(_, _, _, k_tile), tBsB(_, _, _, stage));
+        copy(tma, tBgB_up(_, _, _, k_tile), tBsB_up(_, _, _, stage));
+      };
+    }
+  }
+
   // Base's producer loop with the fixed descriptors (Base's takes per-CTA descriptor copies).
   template <class LoadInputs, class TensorMaps, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
@@ -200,7 +244,6 @@ struct FixedOperandMainloop : Base {
     using namespace cute;
     if (!elect_one_sync()) return;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
     constexpr uint32_t cluster_shape_x = get<0>(ClusterShape{});
     const uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x, block_rank_in_cluster / cluster_shape_x};
     auto block_tma_a = params.tma_a.get_slice(cluster_local_block_id.y);
@@ -208,8 +251,7 @@ struct FixedOperandMainloop : Base {
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     Tensor tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, 0));  // (TMA,TMA_M,TMA_K,k)
     Tensor tAsA = block_tma_a.partition_D(sA);                                        // (TMA,TMA_M,TMA_K,PIPE)
-    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, 0));  // (TMA,TMA_N,TMA_K,k)
-    Tensor tBsB = block_tma_b.partition_D(sB);                                        // (TMA,TMA_N,TMA_K,PIPE)
+    auto copy_b = stage_copies_b(params, get<1>(load_inputs), n_coord, block_tma_b, shared_tensors);
 
     uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
     auto block_layout = Layout<ClusterShape>{};  // (m,n) -> block_id
@@ -233,7 +275,7 @@ struct FixedOperandMainloop : Base {
       auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
       copy(params.tma_a.with(*tma_barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-      copy(params.tma_b.with(*tma_barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+      copy_b(params.tma_b.with(*tma_barrier, mcast_mask_b), *k_tile_iter, stage);
       ++k_tile_iter;
       ++smem_pipe_write;
     }

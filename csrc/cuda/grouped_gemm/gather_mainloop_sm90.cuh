@@ -221,7 +221,6 @@ struct GatherAMainloop : Base {
                            uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     using namespace cute;
     const int lane = thread_idx % 32;
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
     // B: the base's TMA partition (a 2x1 cluster multicasts each CTA's share of the weight tile).
     constexpr uint32_t cluster_m = get<0>(typename DispatchPolicy::ClusterShape{});
     const uint32_t cluster_block_m = block_rank_in_cluster % cluster_m;
@@ -229,11 +228,20 @@ struct GatherAMainloop : Base {
       if constexpr (kFixedB) return params.tma_b;
       else return params.tma_load_b;
     }();
-    // (BLK_N,BLK_K,k): the fixed view is the group's expert already (tensors_perform_update).
-    Tensor gB = get<1>(load_inputs)(_, _, get<1>(blk_coord), _, kFixedB ? 0 : get<3>(blk_coord));
     auto block_tma_b = tma_b.get_slice(cluster_block_m);
-    Tensor tBgB = block_tma_b.partition_S(gB);
-    Tensor tBsB = block_tma_b.partition_D(sB);
+    // The fixed view is the group's expert already (tensors_perform_update), with its boxes of B (two a tile
+    // for gate_up halves): the base's stage copies.
+    auto copy_b = [&] {
+      if constexpr (kFixedB) {
+        return Base::stage_copies_b(params, get<1>(load_inputs), get<1>(blk_coord), block_tma_b, shared_tensors);
+      } else {
+        Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
+        Tensor gB = get<1>(load_inputs)(_, _, get<1>(blk_coord), _, get<3>(blk_coord));  // (BLK_N,BLK_K,k)
+        Tensor tBgB = block_tma_b.partition_S(gB);
+        Tensor tBsB = block_tma_b.partition_D(sB);
+        return [=](auto const& tma, auto k_tile, int stage) { copy(tma, tBgB(_, _, _, k_tile), tBsB(_, _, _, stage)); };
+      }
+    }();
     uint16_t mcast_mask_b = 0;
     if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
       auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
@@ -246,11 +254,9 @@ struct GatherAMainloop : Base {
                                k_tile_count, lane, shared_tensors, [&](auto* barrier, int stage, auto k_tile) {
                                  if (lane == 0) {
                                    if constexpr (kFixedB) {
-                                     copy(tma_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, k_tile),
-                                          tBsB(_, _, _, stage));
+                                     copy_b(tma_b.with(*barrier, mcast_mask_b), k_tile, stage);
                                    } else {
-                                     copy(tma_b.with(get<1>(input_tensormaps), *barrier, mcast_mask_b),
-                                          tBgB(_, _, _, k_tile), tBsB(_, _, _, stage));
+                                     copy_b(tma_b.with(get<1>(input_tensormaps), *barrier, mcast_mask_b), k_tile, stage);
                                    }
                                  }
                                });

@@ -158,11 +158,11 @@ void run_grouped_gemm_cuda(Op kind, const GroupedGemmShape& s, const at::Tensor&
 bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                                   const at::Tensor& offs, at::Tensor& out, const float* limits, const char* op,
                                   bool pdl, int64_t tactic, at::Tensor& workspace, bool zero_tail,
-                                  GroupedGemmScales scales) {
+                                  GroupedGemmScales scales, bool gate_up) {
   TORCH_CHECK(s.n % 64 == 0 && out.size(0) == s.sum_m && out.size(1) == s.n / 2, op,
               ": the SwiGLU GEMM needs N % 64 == 0 and a [sum_m, N / 2] output (internal error)");
   TwinLaunch twin;
-  twin.twin = EpilogueTwin::kSwiGlu;
+  twin.twin = gate_up ? EpilogueTwin::kSwiGluGateUp : EpilogueTwin::kSwiGlu;
   twin.swiglu_limits = limits;
   return launch_with(Op::kFwd, s, a, b, offs, out, workspace, op, pdl, zero_tail, tactic, scales, twin);
 }
@@ -170,7 +170,7 @@ bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a
 bool run_grouped_gemm_gather_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& x, const at::Tensor& b,
                                          const at::Tensor& offs, const int32_t* rows_to_routes, int64_t routes,
                                          int top_k, at::Tensor& out, const float* limits, const char* op, bool pdl,
-                                         int64_t tactic, at::Tensor& workspace, bool zero_tail) {
+                                         int64_t tactic, at::Tensor& workspace, bool zero_tail, bool gate_up) {
   TORCH_CHECK(s.n % 64 == 0 && out.size(0) == s.sum_m && out.size(1) == s.n / 2 && x.dim() == 2 &&
                   x.size(1) == s.k && x.is_contiguous() && x.size(0) * top_k == routes,
               op, ": the gathering SwiGLU GEMM needs N % 64 == 0, x [routes / top_k, K] and a [sum_m, N / 2] output "
@@ -183,7 +183,7 @@ bool run_grouped_gemm_gather_swiglu_cuda(const GroupedGemmShape& s, const at::Te
   constexpr int64_t kGatherMaxN = 2048;
   if (s.n > kGatherMaxN) return false;
   TwinLaunch twin;
-  twin.twin = EpilogueTwin::kGatherSwiGlu;
+  twin.twin = gate_up ? EpilogueTwin::kGatherSwiGluGateUp : EpilogueTwin::kGatherSwiGlu;
   twin.swiglu_limits = limits;
   twin.gather.rows_to_routes = rows_to_routes;
   twin.gather.routes = routes;

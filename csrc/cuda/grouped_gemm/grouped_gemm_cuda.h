@@ -29,10 +29,11 @@ void run_grouped_gemm_cuda(GroupedGemmOp kind, const GroupedGemmShape& s, const 
 // interleaved at 32; `limits`: group g's SwiGLUStep limit, device float32, or null) and, with
 // `zero_tail`, zeroes the rows past the last group end. False, with nothing launched, when that
 // tactic has no twin (the caller runs the fwd GEMM and the SwiGLU kernel). `workspace` as above, required.
+// `gate_up`: b as [gate; up] halves (the tile's gate-up twin, bf16 only).
 bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a, const at::Tensor& b,
                                   const at::Tensor& offs, at::Tensor& out, const float* limits, const char* op,
                                   bool pdl, int64_t tactic, at::Tensor& workspace, bool zero_tail,
-                                  GroupedGemmScales scales = {});
+                                  GroupedGemmScales scales = {}, bool gate_up = false);
 
 // The MoE GEMM1 with its gather in the same kernel: as run_grouped_gemm_swiglu_cuda, but product row p
 // multiplies x[rows_to_routes[p] / top_k] (x [routes / top_k, K], 16-bit; rows_to_routes int32 [sum_m],
@@ -41,7 +42,7 @@ bool run_grouped_gemm_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& a
 bool run_grouped_gemm_gather_swiglu_cuda(const GroupedGemmShape& s, const at::Tensor& x, const at::Tensor& b,
                                          const at::Tensor& offs, const int32_t* rows_to_routes, int64_t routes,
                                          int top_k, at::Tensor& out, const float* limits, const char* op, bool pdl,
-                                         int64_t tactic, at::Tensor& workspace, bool zero_tail);
+                                         int64_t tactic, at::Tensor& workspace, bool zero_tail, bool gate_up = false);
 
 // The MoE GEMM2 with the fused finalize in one kernel: the scatter twin of the fwd tactic zeroes out
 // [num_tokens, N], then adds row p of the product, rounded to out's type and scaled by

@@ -73,10 +73,26 @@ struct CooperativeFixed : Cooperative {
 struct PingpongFixed : Pingpong {
   static constexpr bool kFixedOperands = true;
 };
+// The fixed schedules reading w1 as [gate; up] halves (transformers' gate_up_proj as it is): each tile's
+// B as two boxes, its gate rows and their up rows (fixed_operand_sm90.cuh); the SwiGLU twins only.
+struct CooperativeFixedGateUp : CooperativeFixed {
+  static constexpr bool kGateUpHalves = true;
+};
+struct PingpongFixedGateUp : PingpongFixed {
+  static constexpr bool kGateUpHalves = true;
+};
 template <class Schedule>
 constexpr bool fixed_operands() {
   if constexpr (requires { Schedule::kFixedOperands; }) {
     return Schedule::kFixedOperands;
+  } else {
+    return false;
+  }
+}
+template <class Schedule>
+constexpr bool gate_up_halves() {
+  if constexpr (requires { Schedule::kGateUpHalves; }) {
+    return Schedule::kGateUpHalves;
   } else {
     return false;
   }
@@ -138,6 +154,8 @@ struct GroupedGemmConfig {
   static constexpr bool kSwiGlu = kKind == Kind::kFwdSwiGlu || kGather;
   static constexpr bool kScatter = kKind == Kind::kFwdScatter;
   static constexpr bool kFixed = fixed_operands<Schedule>();
+  static constexpr bool kGateUp = gate_up_halves<Schedule>();
+  static_assert(!kGateUp || (kSwiGlu && kFixed && !kScaled), "gate_up halves: 16-bit SwiGLU twins, fixed operands");
   static_assert(!kFixed || !is_swap_ab(kKind), "fixed operands: a group's rows are never the tile's N side");
   using StrideDPtr = cutlass::detail::TagToStrideC_t<LayoutD*>;
   // wgrad with fixed operands: the plain kernels' TMA store epilogue over dw as one tensor (fixed_operand_sm90.cuh).
@@ -153,7 +171,8 @@ struct GroupedGemmConfig {
       kFixed && op_of(kKind) == Kind::kWgrad,
       FixedOutputEpilogue<BuiltEpilogue<cutlass::epilogue::TmaWarpSpecializedCooperative, LayoutD>>,
       std::conditional_t<
-      kSwiGlu, cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwiGluEpilogueArray<ElementOut, StrideDPtr>>,
+      kSwiGlu,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SwiGluEpilogueArray<ElementOut, StrideDPtr, kGateUp>>,
       std::conditional_t<kScatter,
       cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<ScatterAddEpilogueArray<ElementOut, StrideDPtr>>,
       std::conditional_t<kFixed,
@@ -167,8 +186,8 @@ struct GroupedGemmConfig {
           sizeof(typename CollectiveEpilogue::SharedStorage) +
           (kGather ? cute::size<0>(TileShape_{}) * sizeof(const char*) : 0))>,  // the gather's row table
       typename Schedule::KernelSchedule>::CollectiveOp;
-  using PlainMainloop =
-      std::conditional_t<kFixed, FixedOperandMainloop<BuiltMainloop, op_of(kKind) == Kind::kWgrad>, BuiltMainloop>;
+  using PlainMainloop = std::conditional_t<
+      kFixed, FixedOperandMainloop<BuiltMainloop, op_of(kKind) == Kind::kWgrad, kGateUp>, BuiltMainloop>;
   using CollectiveMainloop = std::conditional_t<kGather, GatherAMainloop<PlainMainloop, kFixed>, PlainMainloop>;
 
   using Kernel = WaitForPredecessor<
@@ -442,3 +461,4 @@ void run_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
 #define CAKE_SWIGLU_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG
 #define CAKE_SCATTER_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG
 #define CAKE_GATHER_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG
+#define CAKE_GATEUP_DEFINE_CONFIG CAKE_GG_DEFINE_CONFIG

@@ -22,7 +22,9 @@ namespace sm90 {
 #define CAKE_SWIGLU_CONFIG CAKE_GG_CONFIG
 #define CAKE_SCATTER_CONFIG CAKE_GG_CONFIG
 #define CAKE_GATHER_CONFIG CAKE_GG_CONFIG
+#define CAKE_GATEUP_CONFIG CAKE_GG_CONFIG
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_GATEUP_CONFIG
 #undef CAKE_GATHER_CONFIG
 #undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
@@ -59,7 +61,11 @@ int64_t choice_rows(const GroupedGemmShape& s) {
 }
 
 BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s, EpilogueTwin twin) {
-  if (twin == EpilogueTwin::kGatherSwiGlu) twin = EpilogueTwin::kSwiGlu;  // one choice for both
+  // One choice for the SwiGLU twins, gathering or not, w1 interleaved or as halves.
+  if (twin == EpilogueTwin::kGatherSwiGlu || twin == EpilogueTwin::kSwiGluGateUp ||
+      twin == EpilogueTwin::kGatherSwiGluGateUp) {
+    twin = EpilogueTwin::kSwiGlu;
+  }
   int64_t rows = 1;
   while (rows < choice_rows(s)) rows *= 2;
   return {static_cast<int>(family), s.num_groups, rows, s.n, s.k, static_cast<int>(twin)};
@@ -67,21 +73,25 @@ BucketKey bucket_key(TacticFamily family, const GroupedGemmShape& s, EpilogueTwi
 
 std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm90_tables() {
   // Every epilogue twin configuration by name: fwd_<tile> has swiglu_<tile>, scatter_<tile> and
-  // gather_swiglu_<tile>.
+  // gather_swiglu_<tile>; fwd_<tile> and fwd_fixed_<tile> both have swiglu_gu_<tile> and gather_swiglu_gu_<tile>.
   std::map<std::string, GroupedGemmLaunchFn> twins;
 #define CAKE_GG_CONFIG(name, ...)
 #define CAKE_SWIGLU_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
 #define CAKE_SCATTER_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
 #define CAKE_GATHER_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
+#define CAKE_GATEUP_CONFIG(name, ...) twins[#name] = &sm90::grouped_gemm_##name;
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_GATEUP_CONFIG
 #undef CAKE_GATHER_CONFIG
 #undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
 #undef CAKE_GG_CONFIG
-  auto twin = [&](const char* name, const char* prefix) -> GroupedGemmLaunchFn {
+  auto twin = [&](const char* name, const char* prefix, bool any_operands = false) -> GroupedGemmLaunchFn {
     constexpr const char* kFwd = "fwd_";
     if (std::strncmp(name, kFwd, std::strlen(kFwd)) != 0) return nullptr;
-    const auto it = twins.find(prefix + std::string(name + std::strlen(kFwd)));
+    std::string tile(name + std::strlen(kFwd));
+    if (const auto fixed = tile.find("fixed_"); any_operands && fixed != std::string::npos) tile.erase(fixed, 6);
+    const auto it = twins.find(prefix + tile);
     return it == twins.end() ? nullptr : it->second;
   };
 
@@ -95,18 +105,21 @@ std::array<std::vector<Tactic>, static_cast<int>(TacticFamily::kCount)> build_sm
     // along N, and both with 4-tile swizzles: the autotuner's extra choices.
     auto& table = tables[static_cast<int>(family)];
     const GroupedGemmLaunchFn swiglu = twin(name, "swiglu_"), scatter = twin(name, "scatter_"),
-                              gather = twin(name, "gather_swiglu_");
+                              gather = twin(name, "gather_swiglu_"), swiglu_gu = twin(name, "swiglu_gu_", true),
+                              gather_gu = twin(name, "gather_swiglu_gu_", true);
     const int64_t scatter_max_k = std::strstr(name, "_ping_64x256x") != nullptr ? kPingpong64ScatterMaxK : INT64_MAX;
-    table.push_back({name, fn, false, 1, swiglu, scatter, gather, scatter_max_k});
-    table.push_back({std::string(name) + "_rasterN", fn, true, 1, swiglu, scatter, gather, scatter_max_k});
-    table.push_back({std::string(name) + "_swz4", fn, false, 4, swiglu, scatter, gather, scatter_max_k});
-    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4, swiglu, scatter, gather, scatter_max_k});
+    table.push_back({name, fn, false, 1, swiglu, scatter, gather, scatter_max_k, swiglu_gu, gather_gu});
+    table.push_back({std::string(name) + "_rasterN", fn, true, 1, swiglu, scatter, gather, scatter_max_k, swiglu_gu, gather_gu});
+    table.push_back({std::string(name) + "_swz4", fn, false, 4, swiglu, scatter, gather, scatter_max_k, swiglu_gu, gather_gu});
+    table.push_back({std::string(name) + "_rasterN_swz4", fn, true, 4, swiglu, scatter, gather, scatter_max_k, swiglu_gu, gather_gu});
   };
 #define CAKE_GG_CONFIG(name, ...) add(#name, &sm90::grouped_gemm_##name);
 #define CAKE_SWIGLU_CONFIG(name, ...)
 #define CAKE_SCATTER_CONFIG(name, ...)
 #define CAKE_GATHER_CONFIG(name, ...)
+#define CAKE_GATEUP_CONFIG(name, ...)
 #include "cuda/grouped_gemm/configs_sm90.inc"
+#undef CAKE_GATEUP_CONFIG
 #undef CAKE_GATHER_CONFIG
 #undef CAKE_SCATTER_CONFIG
 #undef CAKE_SWIGLU_CONFIG
@@ -312,6 +325,10 @@ GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin) 
       return tactic.scatter_twin;
     case EpilogueTwin::kGatherSwiGlu:
       return tactic.gather_swiglu_twin;
+    case EpilogueTwin::kSwiGluGateUp:
+      return tactic.swiglu_gate_up_twin;
+    case EpilogueTwin::kGatherSwiGluGateUp:
+      return tactic.gather_swiglu_gate_up_twin;
     default:
       return tactic.launch;
   }

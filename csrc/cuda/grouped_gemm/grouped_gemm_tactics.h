@@ -31,6 +31,10 @@ struct Tactic {
   // The largest K its scatter twin runs for (epilogue_twin_sm90 with a shape; past it the plain GEMM
   // and the finalize kernel).
   int64_t scatter_twin_max_k = INT64_MAX;
+  // The SwiGLU twins of the same tile for w1 as [gate; up] halves (fixed operands whatever this
+  // configuration's; bf16 only).
+  GroupedGemmLaunchFn swiglu_gate_up_twin = nullptr;
+  GroupedGemmLaunchFn gather_swiglu_gate_up_twin = nullptr;
 };
 
 TacticFamily tactic_family(GroupedGemmOp op, at::ScalarType in_dtype, at::ScalarType out_dtype);
@@ -39,8 +43,9 @@ TacticFamily tactic_family(const std::string& name);
 const std::vector<Tactic>& tactics_sm90(TacticFamily family);
 // Twins of fwd configurations (configs_sm90.inc): the same tile with the MoE GEMM1's SwiGLU, or the
 // MoE GEMM2's fused finalize, as its epilogue; kGatherSwiGlu is the SwiGLU twin that also gathers its
-// A rows (chosen, tuned and bucketed as the SwiGLU twin: only epilogue_twin_sm90 tells them apart).
-enum class EpilogueTwin { kNone, kSwiGlu, kScatter, kGatherSwiGlu };
+// A rows (chosen, tuned and bucketed as the SwiGLU twin: only epilogue_twin_sm90 tells them apart), and
+// the *GateUp ones are the SwiGLU twins reading w1 as [gate; up] halves (likewise bucketed as kSwiGlu).
+enum class EpilogueTwin { kNone, kSwiGlu, kScatter, kGatherSwiGlu, kSwiGluGateUp, kGatherSwiGluGateUp };
 // The twin of a fwd tactic's configuration (run in the tactic's tile order), or null where the
 // configuration has none.
 GroupedGemmLaunchFn epilogue_twin_sm90(const Tactic& tactic, EpilogueTwin twin);

@@ -297,12 +297,11 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   shape.expected_rows = expected_rows;
   const float* limits = clamp_limits.defined() ? clamp_limits.data_ptr<float>() : nullptr;
   // 16-bit x: the GEMM's mainloop reads the routes' rows of x itself, where the chosen tile has such a twin.
-  // The twins' epilogues pair columns 32 apart (w1 interleaved at 32 rows): w1 as [gate; up] halves runs the
-  // plain GEMM and the SwiGLU kernel instead.
-  if (!quantize_x && !w1_gate_up && run_grouped_gemm_gather_swiglu_cuda(shape, x, w1, expert_offsets,
+  // w1 as [gate; up] halves: the tile's gate-up twins (bf16), else the plain GEMM and the SwiGLU kernel.
+  if (!quantize_x && run_grouped_gemm_gather_swiglu_cuda(shape, x, w1, expert_offsets,
                                                          permuted_to_expanded.data_ptr<int32_t>(), s.rows,
                                                          static_cast<int>(top_k), out, limits, op, enable_pdl,
-                                                         tactic, gemm_workspace, zero_tail)) {
+                                                         tactic, gemm_workspace, zero_tail, w1_gate_up)) {
     return;
   }
   const int32_t* num_kept = expert_offsets.data_ptr<int32_t>() + w1.size(0);
@@ -326,8 +325,8 @@ void gemm1_into(const at::Tensor& x_in, const at::Tensor& w1, const at::Tensor& 
   at::Tensor w1_scale_contiguous;
   const auto scales = gemm_scales(gathered_scale, w1_scale, w1_scale_contiguous);
   // The SwiGLU in the GEMM's epilogue, where the chosen tile has such a twin: h is never stored.
-  if (!w1_gate_up && run_grouped_gemm_swiglu_cuda(shape, gathered, w1, expert_offsets, out, limits, op, enable_pdl,
-                                                  tactic, gemm_workspace, zero_tail, scales)) {
+  if (run_grouped_gemm_swiglu_cuda(shape, gathered, w1, expert_offsets, out, limits, op, enable_pdl, tactic,
+                                   gemm_workspace, zero_tail, scales, w1_gate_up)) {
     return;
   }
   // h rows past the last expert's end stay unwritten: the SwiGLU writes zeros there unread.

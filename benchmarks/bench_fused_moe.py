@@ -139,7 +139,7 @@ def run(args):
                     eager["cake_fused"][0](), eager["cake_det"][0]()
             # Both pipelines compute the same thing: check before timing.
             b = eager["torch"][0]().float()
-            for peer in ("cake_det", "cake_fused_gu")[:1 + (args.w1_layout == "both")]:
+            for peer in [p for p in ("cake_det", "cake_fused_gu") if p in eager]:
                 a = eager[peer][0]().float()
                 diff = float((a - b).norm() / b.norm().clamp_min(1e-30)) if t else 0.0
                 if diff > 3e-2:

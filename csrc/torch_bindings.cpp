@@ -88,8 +88,8 @@ TORCH_LIBRARY(cake, m) {
   // kernel less; a row that does not map back is a device-side error).
   // w1_gate_up (GEMM1): w1 holds [gate; up] halves (gate rows [0, I), up rows [I, 2I): transformers'
   // gate_up_proj) instead of the 32-row interleave; the same numbers. On CUDA the decode kernels read
-  // either; the grouped GEMM's fused SwiGLU epilogues want the interleave, so with halves the GEMM
-  // stores h and the SwiGLU kernel follows.
+  // either; the bf16 grouped GEMM tiles have gate-up twins (the SwiGLU still in the epilogue); fp16
+  // and e4m3 store h and the SwiGLU kernel follows.
   m.def(
       "moe_gemm1_swiglu(Tensor x, Tensor w1, Tensor permuted_to_expanded, Tensor expert_offsets, "
       "int top_k, bool enable_pdl=True, Tensor? clamp_limits=None, int tactic=-1, Tensor? x_scale=None, "

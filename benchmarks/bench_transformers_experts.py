@@ -4,8 +4,12 @@
 one fused_moe_bf16 call on the module's [gate; up] weights) and "fwd+bwd" (training: cake's sort and grouped_mm).
 
     python benchmarks/bench_transformers_experts.py [--shapes qwen3_30b,mixtral_8x7b] [--tokens 1024,4096]
+
+--profile also prints, per row, where each implementation's time goes: its kernels' GPU time per call
+(torch.profiler over --reps calls, eager), largest first.
 """
 import argparse
+import collections
 import warnings
 
 import torch
@@ -31,12 +35,37 @@ def experts_module(e, hidden, inter, device):
     return experts.to(device, torch.bfloat16)
 
 
+def kernel_profile(fn, reps):
+    """[(kernel name, mean GPU us per call)] of fn's kernels over reps calls (torch.profiler), largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    totals = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name[:80]] += ev.device_time_total / reps
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def print_profile(impl, kernels, top=12):
+    total = sum(us for _, us in kernels)
+    print(f"    {impl}: {total:9.1f} us of kernels per call")
+    for name, us in kernels[:top]:
+        print(f"      {us:9.1f}  {100 * us / total:5.1f}%  {name}")
+    if len(kernels) > top:
+        print(f"      {sum(us for _, us in kernels[top:]):9.1f}  the other {len(kernels) - top} kernels")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="")
     p.add_argument("--tokens", default="")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="print each implementation's kernels (GPU only)")
     args = p.parse_args()
     warnings.simplefilter("ignore")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,6 +101,9 @@ def main():
                 ratio = ms["grouped_mm"] / ms["cake"] if all(isinstance(v, float) for v in ms.values()) else "-"
                 print(f"{name:13} {t:6d} {label:8} {fmt(ms['cake'], '8.3f')} {fmt(ms['grouped_mm'], '10.3f')} "
                       f"{fmt(ratio, '6.2f')}", flush=True)
+                if args.profile and device == "cuda":
+                    for n, fn in impls.items():
+                        print_profile(n, kernel_profile(lambda fn=fn: run(fn), args.reps))
         experts.zero_grad(set_to_none=True)
 
 

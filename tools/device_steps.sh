@@ -7,6 +7,8 @@
 #                   implementation, and test_benchmarks            gpu_test_api_<card>.log
 #   hf              bench_transformers_experts (cake vs transformers' grouped_mm)
 #                                                                  transformers_experts_<card>.txt
+#   hfprof          hf's training rows (fwd+bwd, T 1024 and 4096) with each implementation's kernels (--profile)
+#                                                                  transformers_experts_profile_<card>.txt
 #   gg              issue 3's table                                grouped_gemm_<card>.{txt,json,png}
 #   fused:M1,M2     issue 4's table for those models               fused_moe_<card>_M1_M2.{txt,json}
 #   gutest          the GPU tests of w1 as [gate; up] halves and of the epilogue twins   gpu_test_gu_<card>.log
@@ -18,7 +20,7 @@
 #                                                                  ab_layer_<card>.txt
 # It lives in the repository, not in the git-ignored .whl/, because a session's checkout starts without .whl/.
 # Env: SESSION (for the headers), END (s on the call's clock by which the last step must end; 585),
-# H200_ONLY=1 (run only the steps whose result is a ratio of the same run, suite / api / hf / gutest / gu, elsewhere).
+# H200_ONLY=1 (run only the steps whose result is a ratio of the same run, suite / api / hf / hfprof / gutest / gu, elsewhere).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/device_env.sh >/dev/null
@@ -35,7 +37,7 @@ quiet() { grep -v "DeprecationWarning\|warnings.warn\|^  "; }
 
 for step in "$@"; do
   echo "== $step at $(el) s"
-  if [ "${H200_ONLY:-}" = 1 ] && [ $TAG != h200 ] && [[ $step != suite && $step != api && $step != hf && $step != gutest && $step != gu ]]; then
+  if [ "${H200_ONLY:-}" = 1 ] && [ $TAG != h200 ] && [[ $step != suite && $step != api && $step != hf* && $step != gutest && $step != gu ]]; then
     echo "(not an H200: $step skipped)"; continue
   fi
   case $step in
@@ -49,6 +51,9 @@ for step in "$@"; do
     hf)
       cmd="python3 benchmarks/bench_transformers_experts.py --shapes qwen3_30b,mixtral_8x7b --tokens 1024,4096,16384"
       { header hf "$cmd"; run_by "$END" 60 $cmd; } 2>&1 | tee "$OUT/transformers_experts_$TAG.txt" ;;
+    hfprof)
+      cmd="python3 benchmarks/bench_transformers_experts.py --shapes qwen3_30b,mixtral_8x7b --tokens 1024,4096 --reps 5 --profile"
+      { header hfprof "$cmd"; run_by "$END" 60 $cmd; } 2>&1 | tee "$OUT/transformers_experts_profile_$TAG.txt" ;;
     gg)
       cmd="python3 benchmarks/bench_grouped_gemm.py --json $OUT/grouped_gemm_$TAG.json --plot $OUT/grouped_gemm_$TAG.png"
       { header gg "${cmd//$OUT\//}"; run_by "$END" 150 $cmd; } 2>&1 | tee "$OUT/grouped_gemm_$TAG.txt" ;;

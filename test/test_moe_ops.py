@@ -135,6 +135,41 @@ def test_cuda_finalize_sums_routes_in_order(t, shard):
     assert torch.equal(out, want.bfloat16())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,k,extra_rows", [(7, 3, 0), (1, 8, 0), (5, 4, 6), (0, 2, 0)])
+def test_finalize_backward_matches_float64_autograd(device, dtype, t, k, extra_rows):
+    """moe_finalize's autograd formula: row gradients (one rounding of scale x output gradient; zero for rows no
+    kept route reads, dropped routes' and spare rows past the routes') and scale gradients (float32 dot products;
+    zero for dropped routes) against float64 autograd through the same combine, bitwise across runs."""
+    g = torch.Generator().manual_seed(1000 * t + k)
+    routes, hidden = t * k, 40
+    rows = torch.randn(routes + extra_rows, hidden, generator=g).to(dtype)
+    e2p = torch.randperm(routes + extra_rows, generator=g)[:routes].int()
+    e2p[::3] = -1
+    scales = torch.rand(t, k, generator=g)
+    grad = torch.randn(t, hidden, generator=g).to(dtype)
+
+    def grads():
+        r = rows.to(device).requires_grad_()
+        s = scales.to(device).requires_grad_()
+        out = torch.ops.cake.moe_finalize(r, e2p.to(device), s)
+        return torch.autograd.grad(out, (r, s), grad.to(device))
+
+    d_rows, d_scales = grads()
+    assert d_rows.dtype == dtype and d_scales.dtype == torch.float32
+    r64, s64 = rows.double().requires_grad_(), scales.double().requires_grad_()
+    kept = (e2p >= 0).view(t, k)
+    want = (r64[e2p.clamp_min(0).long()].view(t, k, hidden) * torch.where(kept, s64, 0).unsqueeze(-1)).sum(1)
+    want_rows, want_scales = torch.autograd.grad(want, (r64, s64), grad.double())
+    assert torch.equal(d_rows.cpu(), want_rows.to(dtype)), "one rounding of the float32 product"
+    torch.testing.assert_close(d_scales.cpu().double(), want_scales, rtol=1e-5, atol=1e-5)
+    unread = torch.ones(routes + extra_rows, dtype=torch.bool)
+    unread[e2p[e2p >= 0].long()] = False
+    assert not d_rows[unread.to(device)].any() and not d_scales[~kept.to(device)].any()
+    assert all(torch.equal(a, b) for a, b in zip(grads(), (d_rows, d_scales)))
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(ROUTING_CASES.values()), ids=list(ROUTING_CASES))

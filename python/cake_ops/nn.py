@@ -293,9 +293,13 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     else:
         h = experts.act_fn(project(x, "up_proj"))
     y = project(h, "down_proj")
+    scales = top_k_weights.reshape(num_tokens, top_k).float()
+    if not y.is_cuda or (y.dtype in (torch.bfloat16, torch.float16) and y.shape[-1] % 8 == 0):
+        # one kernel each way (moe_finalize's autograd formula), where the torch ops below take five passes
+        return torch.ops.cake.moe_finalize(y, expanded_to_permuted, scales).to(hidden_states.dtype)
     dropped = expanded_to_permuted < 0
     y = y[expanded_to_permuted.clamp_min(0).long()].float()
-    weights = top_k_weights.reshape(-1, 1).float().masked_fill(dropped.unsqueeze(-1), 0.0)
+    weights = scales.reshape(-1, 1).masked_fill(dropped.unsqueeze(-1), 0.0)
     return (y * weights).view(num_tokens, top_k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
 

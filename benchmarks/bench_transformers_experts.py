@@ -1,7 +1,9 @@
 """One transformers (>= 5) experts module under its "cake" experts implementation
 (cake_ops.nn.register_transformers_experts: moe_sort + cake_ops.grouped_mm) against transformers' own
 "grouped_mm" one (torch._grouped_mm), timed in rotation in one run: "fwd" under no_grad (inference: cake runs
-one fused_moe_bf16 call on the module's [gate; up] weights) and "fwd+bwd" (training: cake's sort and grouped_mm).
+one fused_moe_bf16 call on the module's [gate; up] weights) and "fwd+bwd" (training: cake's sort, grouped_mm and
+moe_finalize). A training call starts with the module's gradients set to None, as after an optimizer step's
+zero_grad(), so that neither side pays an accumulation into .grad (3 weight-sized passes) that a step need not.
 
     python benchmarks/bench_transformers_experts.py [--shapes qwen3_30b,mixtral_8x7b] [--tokens 1024,4096]
 
@@ -93,6 +95,7 @@ def main():
                     fn(experts, x, ids, weights)
 
             def train(fn):
+                experts.zero_grad(set_to_none=True)
                 xg = x.detach().requires_grad_()
                 fn(experts, xg, ids, weights).float().sum().backward()
 

@@ -1,6 +1,8 @@
 """cake_ops.fused_moe.fused_moe_bf16 against the float32 reference MoE: ragged routing, EP shards,
 both finalize paths, bf16 and fp16, num_tokens 0 and 1, preallocated buffers, graphs, compile and
 bad inputs."""
+import copy
+
 import expecttest
 import pytest
 import torch
@@ -538,6 +540,42 @@ def test_transformers_experts_forward_compiles_with_backward(device):
     compiled = step(torch.compile(cake_ops_nn.transformers_experts_forward, fullgraph=True, backend="aot_eager"), *args)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_transformers_experts_gradients_match_float64_eager(device, family):
+    """Training through the cake implementation: the hidden states', routing weights' and expert weights'
+    gradients against transformers' eager experts forward in float64 on the same weights. Sentinel routes
+    (ids >= num_experts) are eager's routes to expert 0 with weight 0 there: they add nothing to either side, and
+    their routing weights' gradients are zero on cake's."""
+    experts = tiny_transformers_model(family, device).model.layers[0].mlp.experts
+    eager64 = copy.deepcopy(experts).double()
+    eager64.config._experts_implementation = "eager"
+    t, k = 37, 2
+    x = torch.randn(t, 128, device=device).bfloat16()
+    ids = torch.randint(0, 8, (t, k), device=device)
+    ids[::5, 1] = 8  # sentinels
+    sentinel = ids >= 8
+    weights = torch.rand(t, k, device=device)
+    grad_out = torch.randn(t, 128, device=device)
+
+    def grads(module, fn, dtype, ids, weights):
+        module.zero_grad(set_to_none=True)
+        xg = x.to(dtype).requires_grad_()
+        wg = weights.detach().clone().requires_grad_()
+        out = fn(module, xg, ids, wg)
+        out.backward(grad_out.to(out.dtype))
+        return [out, xg.grad, wg.grad] + [p.grad for p in module.parameters()]
+
+    want = grads(eager64, lambda m, *args: m(*args), torch.float64, ids.masked_fill(sentinel, 0),
+                 weights.double().masked_fill(sentinel, 0))
+    got = grads(experts, cake_ops_nn.transformers_experts_forward, torch.bfloat16, ids, weights)
+    assert not got[2][sentinel].any()
+    want[2] = want[2].masked_fill(sentinel, 0)
+    names = ["out", "hidden states", "routing weights"] + [n for n, _ in experts.named_parameters()]
+    assert len(got) == len(names) > 4
+    for name, w, g in zip(names, want, got):
+        assert rel_err(g, w) < 2e-2, name
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])

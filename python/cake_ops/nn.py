@@ -255,15 +255,39 @@ def _runs_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_wei
             and hidden % 64 == 0 and inter % 32 == 0 and list(down.shape[1:]) == [hidden, inter])
 
 
+def _combines_on_cake(rows: torch.Tensor) -> bool:
+    """Whether moe_finalize takes these rows: any dtype on the CPU; 16-bit, 16-byte rows on CUDA."""
+    return not rows.is_cuda or (rows.dtype in (torch.bfloat16, torch.float16) and rows.shape[-1] % 8 == 0)
+
+
+class _TokenRows(torch.autograd.Function):
+    """``hidden_states[token_of_row]``: each permuted row's token. The gradient sums each token's kept routes' row
+    gradients in float32 in route order (moe_finalize with unit scales): one pass, no index sort, no atomics,
+    where indexing's backward sorts the indices and accumulates."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, token_of_row, expanded_to_permuted, top_k):
+        ctx.save_for_backward(expanded_to_permuted)
+        ctx.top_k = top_k
+        return hidden_states.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (expanded_to_permuted,) = ctx.saved_tensors
+        ones = grad.new_ones((expanded_to_permuted.shape[0] // ctx.top_k, ctx.top_k), dtype=torch.float32)
+        return torch.ops.cake.moe_finalize(grad.contiguous(), expanded_to_permuted, ones), None, None, None
+
+
 def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                  top_k_weights: torch.Tensor) -> torch.Tensor:
     """The forward of a transformers (>= 5) experts module on cake's kernels, as its ``"grouped_mm"``
     implementation computes it: ``moe_sort`` orders the routes by expert on the device (stable, no host
     sync), ``grouped_mm`` runs the up (gate_up) and down projections on the module's own weights (either
-    layout, no copy; bias and gating as the module defines them), and the weighted routes are summed per
-    token in float32. Routes to ids outside ``[0, num_experts)`` (expert-parallel sentinels) contribute
-    zero. Differentiable: the projection weights' gradients come from cake's deterministic wgrad kernel (the
-    biases' and the hidden states' from torch's indexed adds, as in transformers' own implementations).
+    layout, no copy; bias and gating as the module defines them), and ``moe_finalize`` sums the weighted
+    routes per token in float32 in route order. Routes to ids outside ``[0, num_experts)`` (expert-parallel
+    sentinels) contribute zero. Differentiable, without atomics: the projection weights' gradients come from
+    cake's deterministic wgrad kernel, the hidden states' and the routing weights' from moe_finalize's kernel
+    and autograd formula (the biases' from torch's indexed adds, as in transformers' own implementations).
     Where nothing needs a gradient, plain SwiGLU experts run as one :func:`fused_moe_bf16` call on the
     ``[gate; up]`` weights as they are (``w1_layout="gate_up"``) with its fixed-order float32 combine
     (``use_fused_finalize=False``: deterministic, as the sum above)."""
@@ -278,7 +302,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     _, m_indptr, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
         top_k_index.to(torch.int32).contiguous(), num_experts, num_experts, 0, 128)
     expanded = permuted_to_expanded.clamp_min(0).long()  # rows past the kept routes: token 0's, computed as zeros
-    x = hidden_states[expanded // top_k]
+    x = (_TokenRows.apply(hidden_states, expanded // top_k, expanded_to_permuted, top_k)
+         if _combines_on_cake(hidden_states) else hidden_states[expanded // top_k])
     if bias:  # per row: its expert, and whether it holds a kept route (its bias is zero otherwise, as the row)
         row_expert = top_k_index.reshape(-1)[expanded].clamp(0, num_experts - 1)
         row_kept = (permuted_to_expanded >= 0).unsqueeze(-1)
@@ -294,7 +319,7 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
         h = experts.act_fn(project(x, "up_proj"))
     y = project(h, "down_proj")
     scales = top_k_weights.reshape(num_tokens, top_k).float()
-    if not y.is_cuda or (y.dtype in (torch.bfloat16, torch.float16) and y.shape[-1] % 8 == 0):
+    if _combines_on_cake(y):
         # one kernel each way (moe_finalize's autograd formula), where the torch ops below take five passes
         return torch.ops.cake.moe_finalize(y, expanded_to_permuted, scales).to(hidden_states.dtype)
     dropped = expanded_to_permuted < 0

@@ -54,14 +54,20 @@ constexpr Kind op_of(Kind k) {
                                                                                  : k;
 }
 
+// How a schedule's mainloop reads its operands: through CUTLASS's per-group pointer array by default;
+// the *Fixed schedules below read fixed operand descriptors, the *GateUp ones w1 as [gate; up] halves.
+struct OperandLoads {
+  static constexpr bool kFixedOperands = false;
+  static constexpr bool kGateUpHalves = false;
+};
 // Cooperative: both consumer warpgroups split one tile (good for large tiles). Pingpong: each
 // consumer warpgroup owns a tile and their mainloops and epilogues alternate (good for small
 // tiles, where the epilogue would otherwise idle the tensor cores).
-struct Cooperative {
+struct Cooperative : OperandLoads {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-struct Pingpong {
+struct Pingpong : OperandLoads {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
@@ -81,31 +87,15 @@ struct CooperativeFixedGateUp : CooperativeFixed {
 struct PingpongFixedGateUp : PingpongFixed {
   static constexpr bool kGateUpHalves = true;
 };
-template <class Schedule>
-constexpr bool fixed_operands() {
-  if constexpr (requires { Schedule::kFixedOperands; }) {
-    return Schedule::kFixedOperands;
-  } else {
-    return false;
-  }
-}
-template <class Schedule>
-constexpr bool gate_up_halves() {
-  if constexpr (requires { Schedule::kGateUpHalves; }) {
-    return Schedule::kGateUpHalves;
-  } else {
-    return false;
-  }
-}
 // e4m3 inputs: the fp8 wgmma accumulates into the fp32 accumulators directly ("fast
 // accumulation"). The alternative, promoting a second register set into fp32 every few k-blocks,
 // measured 1.46x slower than bf16 on the H200 (benchmarks/NOTES.md); per-tensor scaled inference
 // GEMMs (TensorRT-LLM, vLLM) run fast accumulation too.
-struct CooperativeFp8 {
+struct CooperativeFp8 : OperandLoads {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-struct PingpongFp8 {
+struct PingpongFp8 : OperandLoads {
   using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum;
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
@@ -153,8 +143,8 @@ struct GroupedGemmConfig {
   static constexpr bool kGather = kKind == Kind::kFwdGatherSwiGlu;
   static constexpr bool kSwiGlu = kKind == Kind::kFwdSwiGlu || kGather;
   static constexpr bool kScatter = kKind == Kind::kFwdScatter;
-  static constexpr bool kFixed = fixed_operands<Schedule>();
-  static constexpr bool kGateUp = gate_up_halves<Schedule>();
+  static constexpr bool kFixed = Schedule::kFixedOperands;
+  static constexpr bool kGateUp = Schedule::kGateUpHalves;
   static_assert(!kGateUp || (kSwiGlu && kFixed && !kScaled), "gate_up halves: 16-bit SwiGLU twins, fixed operands");
   static_assert(!kFixed || !is_swap_ab(kKind), "fixed operands: a group's rows are never the tile's N side");
   using StrideDPtr = cutlass::detail::TagToStrideC_t<LayoutD*>;

@@ -190,7 +190,9 @@ def test_transformers_experts_bench_times_both_implementations():
     rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
     assert [r[2] for r in rows] == ["fwd", "fwd+bwd"]
     for r in rows:
-        assert float(r[3]) > 0 and float(r[4]) > 0 and abs(float(r[5]) - float(r[4]) / float(r[3])) < 0.01
+        cake, peer, ratio = float(r[3]), float(r[4]), float(r[5])
+        # the printed ratio against the printed times, within their rounding (3 decimals; ms on a GPU are small)
+        assert cake > 0 and peer > 0 and abs(ratio - peer / cake) <= 0.005 + peer / cake * 5e-4 * (1 / cake + 1 / peer)
 
 
 @pytest.mark.parametrize("script, option, name, known", [

@@ -67,6 +67,22 @@ MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
   return {permuted_to_expanded.size(0), w1.size(1) / 2};
 }
 
+int64_t check_swiglu(const at::Tensor& gate_up, const char* op) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op,
+              ": gate_up must be 2-D [rows, 2I] ([gate | up] halves), got shape ", gate_up.sizes());
+  TORCH_CHECK(at::isFloatingType(gate_up.scalar_type()) && gate_up.element_size() >= 2, op,
+              ": gate_up must be bfloat16, float16, float32 or float64, got ", gate_up.scalar_type());
+  return gate_up.size(1) / 2;
+}
+
+void check_swiglu_grad(const at::Tensor& grad_out, const at::Tensor& gate_up, int64_t inter, const char* op) {
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.size(0) == gate_up.size(0) && grad_out.size(1) == inter, op,
+              ": grad_out must be [rows, I] = [", gate_up.size(0), ", ", inter, "], got shape ", grad_out.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == gate_up.scalar_type() && grad_out.device() == gate_up.device(), op,
+              ": grad_out must have gate_up's dtype and device (", gate_up.scalar_type(), " on ", gate_up.device(),
+              "), got ", grad_out.scalar_type(), " on ", grad_out.device());
+}
+
 MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
                                     const at::Tensor& expanded_to_permuted,
                                     const at::Tensor& token_final_scales, const char* op) {

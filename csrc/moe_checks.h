@@ -56,6 +56,11 @@ MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
                               const at::Tensor& expert_offsets, int64_t top_k, const char* op,
                               const c10::optional<at::Tensor>& expanded_to_permuted = c10::nullopt);
 
+// swiglu / swiglu_backward: gate_up a 2-D float tensor [rows, 2I]; returns I. grad_out [rows, I] of its dtype
+// and device.
+int64_t check_swiglu(const at::Tensor& gate_up, const char* op);
+void check_swiglu_grad(const at::Tensor& grad_out, const at::Tensor& gate_up, int64_t inter, const char* op);
+
 struct MoeFinalizeShape {
   int64_t num_tokens = 0;
   int64_t top_k = 0;

@@ -115,6 +115,11 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_finalize(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
       "bool enable_pdl=True) -> Tensor");
+  // SwiGLU of [gate | up] halves (the output of transformers' gate_up_proj, as an experts implementation trains
+  // it): gate_up [rows, 2I] -> [rows, I] = silu(gate) * up in float32, rounded once; swiglu_backward(grad_out
+  // [rows, I], gate_up) -> [rows, 2I]: [grad * up * silu'(gate) | grad * silu(gate)], float32, rounded once.
+  m.def("swiglu(Tensor gate_up) -> Tensor");
+  m.def("swiglu_backward(Tensor grad_out, Tensor gate_up) -> Tensor");
   // moe_routing and moe_gemm1_swiglu into caller-owned outputs, with caller-owned uint8 workspaces
   // of moe_routing_workspace_size(T * top_k, E_local) and moe_gemm1_workspace_size(T * top_k, H, I,
   // E_local, element_size) bytes: these allocate nothing (prepared launches). An empty workspace

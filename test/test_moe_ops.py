@@ -785,8 +785,13 @@ def test_moe_ops_opcheck():
     inter = torch.ops.cake.moe_gemm1_swiglu(x, interleave_up_gate_sm90(w1), p2e, offsets, 4)
     torch.library.opcheck(torch.ops.cake.moe_gemm2, (inter, w2, offsets))
     torch.library.opcheck(torch.ops.cake.moe_gemm2, (inter, w2, offsets), {"expected_routes": 12})
-    rows = torch.randn(48, 64).bfloat16()
-    torch.library.opcheck(torch.ops.cake.moe_finalize, (rows, e2p, scales))
+    rows = torch.randn(48, 64).bfloat16().requires_grad_()
+    torch.library.opcheck(torch.ops.cake.moe_finalize, (rows, e2p, scales.requires_grad_()))
+    rows = rows.detach()
+    scales = scales.detach()
+    gate_up = torch.randn(10, 64).bfloat16()
+    torch.library.opcheck(torch.ops.cake.swiglu, (gate_up.requires_grad_(),))
+    torch.library.opcheck(torch.ops.cake.swiglu_backward, (torch.randn(10, 32).bfloat16(), gate_up.detach()))
     torch.library.opcheck(torch.ops.cake.moe_finalize_out, (rows, e2p, scales, torch.empty(12, 64).bfloat16()))
     torch.library.opcheck(torch.ops.cake.moe_gemm2_finalize_out,
                           (inter, w2, offsets, p2e, e2p, scales, torch.empty(12, 64).bfloat16()))
@@ -825,6 +830,69 @@ class TestMoeGemm1InverseErrors(OpErrorCase):
         self.assertExpectedInline(self.error(*args, expanded_to_permuted=e2p[:6]), """cake::moe_gemm1_swiglu: expanded_to_permuted must be int32 [num_tokens * top_k] = [8] on cpu (moe_sort's), got Int [6] on cpu""")
         with self.assertRaisesRegex(RuntimeError, r"must be int32 \[num_tokens \* top_k\] = \[8\]"):
             self.op(*(a.to("meta") for a in args[:4]), 2, expanded_to_permuted=e2p[:6].to("meta"))
+
+
+class TestSwigluErrors(OpErrorCase):
+    op = staticmethod(torch.ops.cake.swiglu)
+
+    def test_errors(self):
+        gate_up = torch.randn(4, 32).bfloat16()
+        self.assertExpectedInline(self.error(gate_up[:, :31]), """cake::swiglu: gate_up must be 2-D [rows, 2I] ([gate | up] halves), got shape [4, 31]""")
+        self.assertExpectedInline(self.error(gate_up[0]), """cake::swiglu: gate_up must be 2-D [rows, 2I] ([gate | up] halves), got shape [32]""")
+        self.assertExpectedInline(self.error(gate_up.int()), """cake::swiglu: gate_up must be bfloat16, float16, float32 or float64, got Int""")
+        backward = torch.ops.cake.swiglu_backward
+        with self.assertRaisesRegex(RuntimeError, r"cake::swiglu_backward: grad_out must be \[rows, I\] = \[4, 16\], got shape \[4, 32\]"):
+            backward(gate_up, gate_up)
+        with self.assertRaisesRegex(RuntimeError, "cake::swiglu_backward: grad_out must have gate_up's dtype and device"):
+            backward(gate_up[:, :16].float(), gate_up)
+        for meta in (True, False):  # the fakes say the same
+            args = [t.to("meta") if meta else t for t in (gate_up[:, :16].half(), gate_up)]
+            with self.assertRaisesRegex(RuntimeError, r"grad_out must have gate_up's dtype and device \(torch.bfloat16|BFloat16"):
+                backward(*args)
+
+    @cuda_only
+    def test_cuda_errors(self):
+        with self.assertRaisesRegex(RuntimeError, "cake::swiglu: CUDA kernels take bfloat16 or float16, got Float"):
+            self.op(torch.randn(4, 32, device="cuda"))
+        with self.assertRaisesRegex(RuntimeError, r"cake::swiglu_backward: CUDA kernels need I % 8 == 0 \(16-byte halves\), got I = 12"):
+            torch.ops.cake.swiglu_backward(torch.randn(4, 12, device="cuda").half(), torch.randn(4, 24, device="cuda").half())
+
+
+def swiglu_float64(gate_up):
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), ("cpu", torch.float32)] + [
+    pytest.param("cuda", dtype, marks=cuda_only) for dtype in (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("rows,inter", [(37, 64), (1, 8), (0, 16), (300, 200)])
+def test_swiglu_matches_float64(device, dtype, rows, inter):
+    """cake::swiglu and its gradient (cake::swiglu_backward through the autograd formula) against float64 autograd
+    of silu(gate) * up: 16-bit within one rounding of the result (float32 math, rounded once); gates of +-90 included
+    (exp overflows: silu and its gradients reach their limits, no NaN). A column slice (not contiguous) works."""
+    g = torch.Generator().manual_seed(rows * 1000 + inter)
+    wide = torch.randn(rows, 2 * inter + 8, generator=g) * 3
+    wide[::7, :inter] = 90.0 * torch.sign(wide[::7, :inter])
+    gate_up_cpu = wide.to(dtype)
+    grad = torch.randn(rows, inter, generator=g).to(dtype)
+    gate_up = gate_up_cpu.to(device)[:, 4:-4] if rows % 2 else gate_up_cpu[:, 4:-4].contiguous().to(device)
+    leaf = gate_up.detach().requires_grad_()
+    out = torch.ops.cake.swiglu(leaf)
+    (d_gate_up,) = torch.autograd.grad(out, leaf, grad.to(device))
+    assert out.dtype == dtype and out.shape == (rows, inter) and d_gate_up.shape == gate_up.shape
+
+    ref_in = gate_up_cpu[:, 4:-4].double().requires_grad_()
+    want = swiglu_float64(ref_in)
+    (want_grad,) = torch.autograd.grad(want, ref_in, grad.double())
+    eps = torch.finfo(dtype).eps
+    for got, ref in ((out, want), (d_gate_up, want_grad)):
+        got = got.cpu().double()
+        assert torch.isfinite(got).all()
+        # 16-bit: one rounding of float32 math. float32: a few roundings of its own, and silu' cancels near its zero
+        # (gate ~ -1.28), so an absolute bound at float32's resolution of values ~10.
+        sixteen_bit = dtype != torch.float32
+        torch.testing.assert_close(got, ref.detach(), rtol=eps if sixteen_bit else 8 * eps,
+                                   atol=eps * 1e-3 if sixteen_bit else 1e-6)
 
 
 class TestMoeIndexValuesOnCpu(OpErrorCase):

@@ -271,6 +271,32 @@ at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expan
   return combine_routes(permuted_rows, expanded_to_permuted, token_final_scales, s);
 }
 
+namespace {
+// 16-bit values compute in float32, wider ones in their own type.
+at::ScalarType swiglu_compute_type(const at::Tensor& t) {
+  return t.element_size() == 2 ? at::kFloat : t.scalar_type();
+}
+}  // namespace
+
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  const int64_t inter = check_swiglu(gate_up, "cake::swiglu");
+  const auto ct = swiglu_compute_type(gate_up);
+  return (at::silu(gate_up.narrow(1, 0, inter).to(ct)) * gate_up.narrow(1, inter, inter).to(ct))
+      .to(gate_up.scalar_type());
+}
+
+at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up) {
+  const char* op = "cake::swiglu_backward";
+  const int64_t inter = check_swiglu(gate_up, op);
+  check_swiglu_grad(grad_out, gate_up, inter, op);
+  const auto ct = swiglu_compute_type(gate_up);
+  const auto gate = gate_up.narrow(1, 0, inter).to(ct), up = gate_up.narrow(1, inter, inter).to(ct);
+  const auto grad = grad_out.to(ct);
+  const auto sigmoid = at::sigmoid(gate), silu = gate * sigmoid;
+  // silu'(g) = sigmoid(g) + silu(g) * (1 - sigmoid(g))
+  return at::cat({grad * up * (sigmoid + silu * (1 - sigmoid)), grad * silu}, 1).to(gate_up.scalar_type());
+}
+
 void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                       const at::Tensor& token_final_scales, at::Tensor out, bool /*enable_pdl*/) {
   const char* op = "cake::moe_finalize_out";
@@ -358,6 +384,8 @@ TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("quantize_fp8_out", &quantize_fp8_out);
   m.impl("moe_finalize", &moe_finalize);
   m.impl("moe_finalize_out", &moe_finalize_out);
+  m.impl("swiglu", &swiglu);
+  m.impl("swiglu_backward", &swiglu_backward);
   m.impl("moe_gemm2_finalize_out", &moe_gemm2_finalize_out);
   m.impl("moe_forward_out", &moe_forward_out);
   m.impl("moe_forward_from_logits_out", &moe_forward_from_logits_out);

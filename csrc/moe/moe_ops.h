@@ -32,6 +32,9 @@ at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                         const at::Tensor& token_final_scales, bool enable_pdl);
 
+at::Tensor swiglu(const at::Tensor& gate_up);
+at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up);
+
 void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                       const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl);
 

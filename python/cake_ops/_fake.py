@@ -274,6 +274,31 @@ def _moe_finalize_fake(permuted_rows, expanded_to_permuted, token_final_scales, 
     return permuted_rows.new_empty((token_final_scales.shape[0], permuted_rows.shape[1]))
 
 
+def _check_swiglu(gate_up, op):
+    _check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0,
+           f"{op}: gate_up must be 2-D [rows, 2I] ([gate | up] halves), got shape {list(gate_up.shape)}")
+    _check(gate_up.dtype in _FLOAT_DTYPES,
+           f"{op}: gate_up must be bfloat16, float16, float32 or float64, got {gate_up.dtype}")
+    return gate_up.shape[1] // 2
+
+
+@register_fake("cake::swiglu")
+def _swiglu_fake(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], _check_swiglu(gate_up, "cake::swiglu")))
+
+
+@register_fake("cake::swiglu_backward")
+def _swiglu_backward_fake(grad_out, gate_up):
+    op = "cake::swiglu_backward"
+    inter = _check_swiglu(gate_up, op)
+    _check(grad_out.dim() == 2 and grad_out.shape[0] == gate_up.shape[0] and grad_out.shape[1] == inter,
+           f"{op}: grad_out must be [rows, I] = [{gate_up.shape[0]}, {inter}], got shape {list(grad_out.shape)}")
+    _check(grad_out.dtype == gate_up.dtype and grad_out.device == gate_up.device,
+           f"{op}: grad_out must have gate_up's dtype and device ({gate_up.dtype} on {gate_up.device}), got "
+           f"{grad_out.dtype} on {grad_out.device}")
+    return gate_up.new_empty(gate_up.shape)
+
+
 @register_fake("cake::moe_finalize_out")
 def _moe_finalize_out_fake(permuted_rows, expanded_to_permuted, token_final_scales, out, enable_pdl=True):
     op = "cake::moe_finalize_out"

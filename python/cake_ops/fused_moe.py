@@ -111,6 +111,18 @@ def _finalize_backward(ctx, grad):
 torch.library.register_autograd("cake::moe_finalize", _finalize_backward, setup_context=_finalize_setup_context)
 
 
+def _swiglu_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx, grad):
+    (gate_up,) = ctx.saved_tensors
+    return torch.ops.cake.swiglu_backward(grad.contiguous(), gate_up)
+
+
+torch.library.register_autograd("cake::swiglu", _swiglu_backward, setup_context=_swiglu_setup_context)
+
+
 def layer_fits(routes: int, hidden: int, intermediate: int, weight_bytes: int) -> bool:
     """Whether moe_forward_out runs these shapes as the one-launch layer kernel on CUDA: the C++
     rule (cake_ops._C.moe_forward_layer_fits; a test keeps the two equal) in Python, which

@@ -492,6 +492,40 @@ at::Tensor moe_finalize_cuda(const at::Tensor& rows, const at::Tensor& expanded_
   return out;
 }
 
+// The SwiGLU kernels read 16-byte vectors: a tensor that is not a contiguous, aligned [rows, 2I] is copied first.
+at::Tensor swiglu_operand(const at::Tensor& t, int64_t inter, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
+              ": CUDA kernels take bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(inter % 8 == 0, op, ": CUDA kernels need I % 8 == 0 (16-byte halves), got I = ", inter);
+  return t.is_contiguous() && aligned16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+at::Tensor swiglu_cuda(const at::Tensor& gate_up_in) {
+  const char* op = "cake::swiglu";
+  const int64_t inter = check_swiglu(gate_up_in, op);
+  c10::cuda::CUDAGuard guard(gate_up_in.device());
+  select_kernel_arch(gate_up_in.get_device(), op);
+  const auto gate_up = swiglu_operand(gate_up_in, inter, op);
+  auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
+  sm90::moe_swiglu(gate_up.data_ptr(), gate_up.size(0), inter, /*offsets=*/nullptr, 0, /*limits=*/nullptr,
+                   /*gate_up=*/true, out.data_ptr(), gate_up.scalar_type() == at::kBFloat16,
+                   at::cuda::getCurrentCUDAStream(gate_up.get_device()), /*pdl=*/false);
+  return out;
+}
+
+at::Tensor swiglu_backward_cuda(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
+  const char* op = "cake::swiglu_backward";
+  const int64_t inter = check_swiglu(gate_up_in, op);
+  check_swiglu_grad(grad_in, gate_up_in, inter, op);
+  c10::cuda::CUDAGuard guard(gate_up_in.device());
+  select_kernel_arch(gate_up_in.get_device(), op);
+  const auto gate_up = swiglu_operand(gate_up_in, inter, op), grad = swiglu_operand(grad_in, inter, op);
+  auto d_gate_up = at::empty_like(gate_up);
+  sm90::swiglu_backward(grad.data_ptr(), gate_up.data_ptr(), gate_up.size(0), inter, d_gate_up.data_ptr(),
+                        gate_up.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream(gate_up.get_device()));
+  return d_gate_up;
+}
+
 void moe_gemm2_finalize_out_cuda(const at::Tensor& intermediate_in, const at::Tensor& w2,
                                  const at::Tensor& expert_offsets, const at::Tensor& permuted_to_expanded_in,
                                  const at::Tensor& expanded_to_permuted, const at::Tensor& scales_in, at::Tensor out,
@@ -657,6 +691,8 @@ TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   m.impl("moe_finalize", &moe_finalize_cuda);
   m.impl("moe_gemm2_finalize_out", &moe_gemm2_finalize_out_cuda);
   m.impl("moe_finalize_out", &moe_finalize_out_cuda);
+  m.impl("swiglu", &swiglu_cuda);
+  m.impl("swiglu_backward", &swiglu_backward_cuda);
   m.impl("moe_forward_out", &moe_forward_out_cuda);
   m.impl("moe_forward_from_logits_out", &moe_forward_from_logits_out_cuda);
 }

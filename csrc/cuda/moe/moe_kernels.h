@@ -61,6 +61,12 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
 // limit of row p's expert.
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
                 const float* limits, bool gate_up, void* out, bool is_bf16, cudaStream_t stream, bool pdl);
+// (moe_swiglu with offsets == nullptr: every row is kept.)
+
+// d_gate_up [rows, 2I] = [grad * up * silu'(gate) | grad * silu(gate)] of gate_up [rows, 2I] ([gate | up]
+// halves) and grad [rows, I], in float32, rounded once to the element type; I % 8 == 0, 16-byte aligned.
+void swiglu_backward(const void* grad, const void* gate_up, int64_t rows, int64_t inter, void* d_gate_up,
+                     bool is_bf16, cudaStream_t stream);
 
 // The float element types the routing and quantization kernels read.
 enum class FloatType { kFloat, kBFloat16, kHalf };

@@ -531,7 +531,7 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
                       int num_experts, const float* limits, bool gate_up, uint4* __restrict__ out) {
   pdl_wait();
   pdl_launch_dependents();
-  const int64_t kept = std::min<int64_t>(offsets[num_experts], rows);
+  const int64_t kept = offsets == nullptr ? rows : std::min<int64_t>(offsets[num_experts], rows);
   const int64_t v = int64_t(blockIdx.x) * 32 + threadIdx.x;
   if (v >= inter_vecs) return;
   for (int64_t row = int64_t(blockIdx.y) * kSwigluRows + threadIdx.y; row < rows;
@@ -562,6 +562,34 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
       for (int j = 0; j < 8; ++j) r[j] = swiglu_value(up[j], gate[j], true, limit);
     }
     *dst = Vec8<T>::store(r);
+  }
+}
+
+// The SwiGLU's gradients, [gate | up] halves, moe_swiglu_kernel's grid. sigmoid with IEEE division: it must
+// reach 0 for a large negative gate (exp = inf), where the gradients are 0.
+template <class T>
+__global__ void __launch_bounds__(32 * kSwigluRows)
+    swiglu_backward_kernel(const uint4* __restrict__ grad, const uint4* __restrict__ gate_up, int64_t rows,
+                           int64_t inter_vecs, uint4* __restrict__ d_gate_up) {
+  const int64_t v = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  if (v >= inter_vecs) return;
+  for (int64_t row = int64_t(blockIdx.y) * kSwigluRows + threadIdx.y; row < rows;
+       row += int64_t(gridDim.y) * kSwigluRows) {
+    const uint4* src = gate_up + row * 2 * inter_vecs;
+    float gate[8], up[8], g[8], d_gate[8], d_up[8];
+    Vec8<T>::load(__ldg(src + v), gate);
+    Vec8<T>::load(__ldg(src + inter_vecs + v), up);
+    Vec8<T>::load(__ldg(grad + row * inter_vecs + v), g);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float sigmoid = 1.0f / (1.0f + __expf(-gate[j]));
+      const float silu = gate[j] * sigmoid;
+      d_up[j] = g[j] * silu;
+      d_gate[j] = g[j] * up[j] * (sigmoid + silu * (1.0f - sigmoid));
+    }
+    uint4* dst = d_gate_up + row * 2 * inter_vecs;
+    dst[v] = Vec8<T>::store(d_gate);
+    dst[inter_vecs + v] = Vec8<T>::store(d_up);
   }
 }
 
@@ -1057,13 +1085,26 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
                 const float* limits, bool gate_up, void* out, bool is_bf16, cudaStream_t stream, bool pdl) {
   if (rows == 0 || inter == 0) return;
-  TORCH_CHECK(inter % 32 == 0, "cake MoE SwiGLU: I must be a multiple of 32 (internal error)");
+  TORCH_CHECK(inter % (gate_up ? 8 : 32) == 0, "cake MoE SwiGLU: I must be a multiple of 32 (8 for [gate | up] "
+              "halves; internal error)");
   const int64_t inter_vecs = inter / 8;
   const dim3 grid(static_cast<unsigned>((inter_vecs + 31) / 32),
                   static_cast<unsigned>(std::min<int64_t>((rows + kSwigluRows - 1) / kSwigluRows, 65535)));
   auto kernel = is_bf16 ? moe_swiglu_kernel<__nv_bfloat16> : moe_swiglu_kernel<__half>;
   launch_kernel(kernel, grid, dim3(32, kSwigluRows), 0, stream, pdl, static_cast<const uint4*>(h), rows,
                 inter_vecs, offsets, num_experts, limits, gate_up, static_cast<uint4*>(out));
+}
+
+void swiglu_backward(const void* grad, const void* gate_up, int64_t rows, int64_t inter, void* d_gate_up,
+                     bool is_bf16, cudaStream_t stream) {
+  if (rows == 0 || inter == 0) return;
+  TORCH_CHECK(inter % 8 == 0, "cake SwiGLU backward: I must be a multiple of 8 (internal error)");
+  const int64_t inter_vecs = inter / 8;
+  const dim3 grid(static_cast<unsigned>((inter_vecs + 31) / 32),
+                  static_cast<unsigned>(std::min<int64_t>((rows + kSwigluRows - 1) / kSwigluRows, 65535)));
+  auto kernel = is_bf16 ? swiglu_backward_kernel<__nv_bfloat16> : swiglu_backward_kernel<__half>;
+  launch_kernel(kernel, grid, dim3(32, kSwigluRows), 0, stream, false, static_cast<const uint4*>(grad),
+                static_cast<const uint4*>(gate_up), rows, inter_vecs, static_cast<uint4*>(d_gate_up));
 }
 
 void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,

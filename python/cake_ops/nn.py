@@ -289,8 +289,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     implementation computes it: ``moe_sort`` orders the routes by expert on the device (stable, no host
     sync), ``grouped_mm`` runs the up (gate_up) and down projections on the module's own weights (either
     layout, no copy; bias and gating as the module defines them: transformers' default SwiGLU gate as cake's
-    ``swiglu`` kernels), and ``moe_finalize`` sums the weighted routes per token in float32 in route order. Routes to ids outside ``[0, num_experts)`` (expert-parallel
-    sentinels) contribute zero. Differentiable, without atomics: the projection weights' gradients come from
+    ``swiglu`` kernels), and ``moe_finalize`` sums the weighted routes per token in float32 in route order.
+    Routes to ids outside ``[0, num_experts)`` (expert-parallel sentinels) contribute zero. Differentiable, without atomics: the projection weights' gradients come from
     cake's deterministic wgrad kernel, the hidden states' and the routing weights' from moe_finalize's kernel
     and autograd formula (the biases' from torch's indexed adds, as in transformers' own implementations).
     Where nothing needs a gradient, plain SwiGLU experts run as one :func:`fused_moe_bf16` call on the

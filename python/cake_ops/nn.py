@@ -288,8 +288,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     """The forward of a transformers (>= 5) experts module on cake's kernels, as its ``"grouped_mm"``
     implementation computes it: ``moe_sort`` orders the routes by expert on the device (stable, no host
     sync), ``grouped_mm`` runs the up (gate_up) and down projections on the module's own weights (either
-    layout, no copy; bias and gating as the module defines them: transformers' default SwiGLU gate as cake's
-    ``swiglu`` kernels), and ``moe_finalize`` sums the weighted routes per token in float32 in route order.
+    layout, no copy; bias and gating as the module defines them), and ``moe_finalize`` sums the weighted routes
+    per token in float32 in route order.
     Routes to ids outside ``[0, num_experts)`` (expert-parallel sentinels) contribute zero. Differentiable, without atomics: the projection weights' gradients come from
     cake's deterministic wgrad kernel, the hidden states' and the routing weights' from moe_finalize's kernel
     and autograd formula (the biases' from torch's indexed adds, as in transformers' own implementations).
@@ -319,11 +319,9 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
         return out + getattr(experts, name + "_bias")[row_expert] * row_kept if bias else out
 
     if getattr(experts, "has_gate", True):
-        gate_up = project(x, "gate_up_proj")
-        # cake's SwiGLU kernels (one pass each way) where the gate is the default one; 16-bit, I % 8 on CUDA
-        swiglu = _gates_by_swiglu(experts) and (not gate_up.is_cuda or (
-            gate_up.dtype in (torch.bfloat16, torch.float16) and gate_up.shape[-1] % 16 == 0))
-        h = torch.ops.cake.swiglu(gate_up) if swiglu else experts._apply_gate(gate_up)
+        # The module's own gate (torch's elementwise ops). cake::swiglu takes less GPU time but more host time per
+        # call, and a Qwen3-30B-sized training step is host-bound: +13% at T=1024 on an H100 (NOTES, session 57).
+        h = experts._apply_gate(project(x, "gate_up_proj"))
     else:
         h = experts.act_fn(project(x, "up_proj"))
     y = project(h, "down_proj")

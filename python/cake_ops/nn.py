@@ -232,28 +232,23 @@ def replace_sparse_moe_blocks(model: torch.nn.Module, **kwargs) -> int:
 # Hugging Face transformers' experts interface
 
 
-def _gates_by_swiglu(experts: torch.nn.Module) -> bool:
-    """Whether an experts module's gate is transformers' default on silu over [gate; up] halves: SwiGLU."""
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
-
-    return (getattr(experts, "has_gate", True) and getattr(experts, "is_concatenated", True)
-            and getattr(type(experts), "_apply_gate", None) is _default_apply_gate
-            and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)))
-
-
 def _runs_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
     """Whether an experts module's forward can be one fused_moe_bf16 call on its own weights: nothing to
     differentiate, transformers' plain SwiGLU experts (gate-first ``gate_up_proj [E, 2I, H]``, no bias, the
     default gate on silu) in bf16 / fp16, and the fused kernels' shape rules (H % 64, I % 32)."""
+    from transformers.activations import SiLUActivation
+    from transformers.integrations.moe import _default_apply_gate
+
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return False
     tensors = (hidden_states, top_k_weights, gate_up, down)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    plain = (_gates_by_swiglu(experts) and not getattr(experts, "has_bias", False)
-             and not getattr(experts, "is_transposed", False))
+    plain = (getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
+             and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True)
+             and getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+             and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)))
     hidden, inter = hidden_states.shape[-1], gate_up.shape[1] // 2
     return (plain and hidden_states.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == hidden_states.dtype
             and down.dtype == hidden_states.dtype and gate_up.is_contiguous() and down.is_contiguous()
@@ -289,8 +284,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     implementation computes it: ``moe_sort`` orders the routes by expert on the device (stable, no host
     sync), ``grouped_mm`` runs the up (gate_up) and down projections on the module's own weights (either
     layout, no copy; bias and gating as the module defines them), and ``moe_finalize`` sums the weighted routes
-    per token in float32 in route order.
-    Routes to ids outside ``[0, num_experts)`` (expert-parallel sentinels) contribute zero. Differentiable, without atomics: the projection weights' gradients come from
+    per token in float32 in route order. Routes to ids outside ``[0, num_experts)`` (expert-parallel sentinels)
+    contribute zero. Differentiable, without atomics: the projection weights' gradients come from
     cake's deterministic wgrad kernel, the hidden states' and the routing weights' from moe_finalize's kernel
     and autograd formula (the biases' from torch's indexed adds, as in transformers' own implementations).
     Where nothing needs a gradient, plain SwiGLU experts run as one :func:`fused_moe_bf16` call on the

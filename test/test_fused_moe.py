@@ -522,10 +522,12 @@ def test_transformers_experts_implementation_trains_like_eager(device, family):
         assert rel_err(got, want) < 2e-2
 
 
-def test_transformers_experts_forward_compiles_with_backward(device):
-    """fullgraph, forward and backward; aot_eager runs the same kernels, so bitwise as eager."""
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_transformers_experts_forward_compiles_with_backward(device, family):
+    """fullgraph, forward and backward (gpt-oss: grouped_mm and its own gate; Mixtral: the SwiGLU experts' one
+    autograd node); aot_eager runs the same kernels, so bitwise as eager."""
     torch._dynamo.reset()
-    experts = tiny_transformers_model("gpt_oss", device).model.layers[0].mlp.experts
+    experts = tiny_transformers_model(family, device).model.layers[0].mlp.experts
 
     def step(fn, x, ids, weights):
         experts.zero_grad()
@@ -592,8 +594,9 @@ def test_transformers_experts_forward_runs_cake_ops_and_drops_sentinels(grad):
     assert got.requires_grad == grad
     fused = {"cake.moe_sort.default", "cake.moe_gemm1_swiglu.default", "cake.moe_gemm2.default",
              "cake.moe_finalize.default"}
-    if grad:  # the sort, grouped_mm and moe_finalize (differentiable), not the fused GEMMs
-        trained = {"cake.moe_sort.default", "cake.grouped_gemm_fwd.default", "cake.moe_finalize.default"}
+    if grad:  # the sort, grouped GEMMs, swiglu and moe_finalize (differentiable), not the fused GEMMs
+        trained = {"cake.moe_sort.default", "cake.grouped_gemm_fwd.default", "cake.swiglu.default",
+                   "cake.moe_finalize.default"}
         assert trained <= set(record.ops)
         assert not (fused - trained) & set(record.ops)
     else:

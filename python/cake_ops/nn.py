@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused_moe import fused_moe_bf16, interleave_up_gate_sm90
-from .grouped_gemm import grouped_mm
+from .grouped_gemm import _call, _fwd_family, _tuned_call, _wgrad_family, grouped_mm
 
 __all__ = ["FusedMoE", "register_transformers_experts", "replace_sparse_moe_blocks", "transformers_experts_forward"]
 
@@ -232,27 +232,84 @@ def replace_sparse_moe_blocks(model: torch.nn.Module, **kwargs) -> int:
 # Hugging Face transformers' experts interface
 
 
-def _runs_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
-    """Whether an experts module's forward can be one fused_moe_bf16 call on its own weights: nothing to
-    differentiate, transformers' plain SwiGLU experts (gate-first ``gate_up_proj [E, 2I, H]``, no bias, the
-    default gate on silu) in bf16 / fp16, and the fused kernels' shape rules (H % 64, I % 32)."""
+def _plain_swiglu(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether an experts module is transformers' plain SwiGLU experts (gate-first ``gate_up_proj [E, 2I, H]``,
+    ``down_proj [E, H, I]``, both contiguous, no bias, the default gate on silu) in hidden_states' dtype."""
     from transformers.activations import SiLUActivation
     from transformers.integrations.moe import _default_apply_gate
 
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
         return False
-    tensors = (hidden_states, top_k_weights, gate_up, down)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
     plain = (getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
              and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True)
              and getattr(type(experts), "_apply_gate", None) is _default_apply_gate
              and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)))
-    hidden, inter = hidden_states.shape[-1], gate_up.shape[1] // 2
-    return (plain and hidden_states.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == hidden_states.dtype
-            and down.dtype == hidden_states.dtype and gate_up.is_contiguous() and down.is_contiguous()
-            and hidden % 64 == 0 and inter % 32 == 0 and list(down.shape[1:]) == [hidden, inter])
+    return (plain and gate_up.dim() == 3 and gate_up.shape[1] % 2 == 0
+            and list(down.shape) == [gate_up.shape[0], hidden_states.shape[-1], gate_up.shape[1] // 2]
+            and gate_up.dtype == hidden_states.dtype and down.dtype == hidden_states.dtype
+            and gate_up.is_contiguous() and down.is_contiguous())
+
+
+def _runs_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+    """Whether an experts module's forward can be one fused_moe_bf16 call on its own weights: nothing to
+    differentiate, plain SwiGLU experts in bf16 / fp16, and the fused kernels' shape rules (H % 64, I % 32)."""
+    if not _plain_swiglu(experts, hidden_states):
+        return False
+    tensors = (hidden_states, top_k_weights, experts.gate_up_proj, experts.down_proj)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    hidden, inter = hidden_states.shape[-1], experts.down_proj.shape[-1]
+    return hidden_states.dtype in (torch.bfloat16, torch.float16) and hidden % 64 == 0 and inter % 32 == 0
+
+
+def _gates_by_swiglu(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether :class:`_SwigluExperts` takes a module: plain SwiGLU experts where cake::swiglu runs (any dtype on
+    the CPU; 16-bit with I % 8 on CUDA)."""
+    return _plain_swiglu(experts, hidden_states) and (
+        not hidden_states.is_cuda
+        or (hidden_states.dtype in (torch.bfloat16, torch.float16) and experts.down_proj.shape[-1] % 8 == 0))
+
+
+def _gemm(op, family, args, num_rows, weight):
+    """One grouped GEMM of the experts' projections (``dims`` as grouped_gemm's autotune buckets take them)."""
+    return _tuned_call(family, op, args, lambda: (weight.shape[0], num_rows, weight.shape[1], weight.shape[2]))
+
+
+class _SwigluExperts(torch.autograd.Function):
+    """Plain SwiGLU experts on expert-sorted rows, ``down[e] @ swiglu(gate_up[e] @ x)`` per group, as one autograd
+    node: forward two grouped GEMMs and cake::swiglu; backward two dgrad, two wgrad (deterministic) and
+    swiglu_backward. Where grouped_mm and the module's own gate (chunk, silu, mul) record five nodes and run six
+    elementwise passes: a Qwen3-30B-sized training step is host-bound, so host time per node counts as much as
+    the gate's GPU time (NOTES, session 58)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up_proj, down_proj, m_indptr):
+        rows = x.shape[0]
+        gate_up = _gemm(torch.ops.cake.grouped_gemm_fwd, _fwd_family(x.dtype), (x, gate_up_proj, m_indptr), rows,
+                        gate_up_proj)
+        h = _call(torch.ops.cake.swiglu, (gate_up,))
+        ctx.save_for_backward(x, gate_up, h, gate_up_proj, down_proj, m_indptr)
+        return _gemm(torch.ops.cake.grouped_gemm_fwd, _fwd_family(x.dtype), (h, down_proj, m_indptr), rows,
+                     down_proj)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, gate_up, h, gate_up_proj, down_proj, m_indptr = ctx.saved_tensors
+        grad, rows, num_experts = grad.contiguous(), x.shape[0], down_proj.shape[0]
+        d_h = _gemm(torch.ops.cake.grouped_gemm_dgrad, "dgrad", (grad, down_proj, m_indptr), rows, down_proj)
+        d_down = (_gemm(torch.ops.cake.grouped_gemm_wgrad, _wgrad_family(down_proj.dtype),
+                        (grad, h, m_indptr, num_experts, down_proj.dtype), rows, down_proj)
+                  if ctx.needs_input_grad[2] else None)
+        d_gate_up = _call(torch.ops.cake.swiglu_backward, (d_h, gate_up))
+        d_x = (_gemm(torch.ops.cake.grouped_gemm_dgrad, "dgrad", (d_gate_up, gate_up_proj, m_indptr), rows,
+                     gate_up_proj)
+               if ctx.needs_input_grad[0] else None)
+        d_gate_up_proj = (_gemm(torch.ops.cake.grouped_gemm_wgrad, _wgrad_family(gate_up_proj.dtype),
+                                (d_gate_up, x, m_indptr, num_experts, gate_up_proj.dtype), rows, gate_up_proj)
+                          if ctx.needs_input_grad[1] else None)
+        return d_x, d_gate_up_proj, d_down, None
 
 
 def _combines_on_cake(rows: torch.Tensor) -> bool:
@@ -288,7 +345,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     contribute zero. Differentiable, without atomics: the projection weights' gradients come from
     cake's deterministic wgrad kernel, the hidden states' and the routing weights' from moe_finalize's kernel
     and autograd formula (the biases' from torch's indexed adds, as in transformers' own implementations).
-    Where nothing needs a gradient, plain SwiGLU experts run as one :func:`fused_moe_bf16` call on the
+    Plain SwiGLU experts train through one autograd node (:class:`_SwigluExperts`: the two projections and
+    cake::swiglu, the gate in float32 rounded once). Where nothing needs a gradient, plain SwiGLU experts run as one :func:`fused_moe_bf16` call on the
     ``[gate; up]`` weights as they are (``w1_layout="gate_up"``) with its fixed-order float32 combine
     (``use_fused_finalize=False``: deterministic, as the sum above)."""
     num_tokens, top_k = top_k_index.shape
@@ -313,13 +371,12 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
         out = grouped_mm(inp, weight if transposed else weight.transpose(-2, -1), m_indptr[1:])
         return out + getattr(experts, name + "_bias")[row_expert] * row_kept if bias else out
 
-    if getattr(experts, "has_gate", True):
-        # The module's own gate (torch's elementwise ops). cake::swiglu takes less GPU time but more host time per
-        # call, and a Qwen3-30B-sized training step is host-bound: +13% at T=1024 on an H100 (NOTES, session 57).
-        h = experts._apply_gate(project(x, "gate_up_proj"))
+    if _gates_by_swiglu(experts, hidden_states):
+        y = _SwigluExperts.apply(x.contiguous(), experts.gate_up_proj, experts.down_proj, m_indptr)
     else:
-        h = experts.act_fn(project(x, "up_proj"))
-    y = project(h, "down_proj")
+        h = (experts._apply_gate(project(x, "gate_up_proj")) if getattr(experts, "has_gate", True)
+             else experts.act_fn(project(x, "up_proj")))
+        y = project(h, "down_proj")
     scales = top_k_weights.reshape(num_tokens, top_k).float()
     if _combines_on_cake(y):
         # one kernel each way (moe_finalize's autograd formula), where the torch ops below take five passes

@@ -83,11 +83,9 @@ void check_swiglu_grad(const at::Tensor& grad_out, const at::Tensor& gate_up, in
               "), got ", grad_out.scalar_type(), " on ", grad_out.device());
 }
 
-MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
-                                    const at::Tensor& expanded_to_permuted,
-                                    const at::Tensor& token_final_scales, const char* op) {
-  TORCH_CHECK(permuted_rows.dim() == 2, op, ": permuted_rows must be 2-D [rows, hidden], got shape ",
-              permuted_rows.sizes());
+MoeFinalizeShape check_moe_finalize(const at::Tensor& rows, const at::Tensor& expanded_to_permuted,
+                                    const at::Tensor& token_final_scales, const char* op, const char* rows_name) {
+  TORCH_CHECK(rows.dim() == 2, op, ": ", rows_name, " must be 2-D [rows, hidden], got shape ", rows.sizes());
   TORCH_CHECK(token_final_scales.dim() == 2 && token_final_scales.scalar_type() == at::kFloat, op,
               ": token_final_scales must be float32 [num_tokens, top_k], got ",
               token_final_scales.scalar_type(), " ", token_final_scales.sizes());
@@ -96,10 +94,27 @@ MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
                   expanded_to_permuted.scalar_type() == at::kInt,
               op, ": expanded_to_permuted must be int32 [num_tokens * top_k] = [", tokens * top_k, "], got ",
               expanded_to_permuted.scalar_type(), " ", expanded_to_permuted.sizes());
-  TORCH_CHECK(expanded_to_permuted.device() == permuted_rows.device() &&
-                  token_final_scales.device() == permuted_rows.device(),
-              op, ": all tensors must be on permuted_rows' device ", permuted_rows.device());
-  return {tokens, top_k, permuted_rows.size(1)};
+  TORCH_CHECK(expanded_to_permuted.device() == rows.device() && token_final_scales.device() == rows.device(), op,
+              ": all tensors must be on ", rows_name, "'s device ", rows.device());
+  return {tokens, top_k, rows.size(1)};
+}
+
+MoeFinalizeShape check_moe_finalize_backward(const at::Tensor& grad_output, const at::Tensor& expanded_to_permuted,
+                                             const at::Tensor& token_final_scales, int64_t num_rows,
+                                             const c10::optional<at::Tensor>& permuted_rows, const char* op) {
+  TORCH_CHECK(num_rows >= 0, op, ": num_rows must be >= 0, got ", num_rows);
+  const auto s = check_moe_finalize(grad_output, expanded_to_permuted, token_final_scales, op, "grad_output");
+  TORCH_CHECK(grad_output.size(0) == s.num_tokens, op, ": grad_output must have num_tokens = ", s.num_tokens,
+              " rows (token_final_scales is ", token_final_scales.sizes(), "), got ", grad_output.sizes());
+  if (permuted_rows.has_value()) {
+    const auto& rows = *permuted_rows;
+    TORCH_CHECK(rows.dim() == 2 && rows.size(0) == num_rows && rows.size(1) == s.hidden &&
+                    rows.scalar_type() == grad_output.scalar_type() && rows.device() == grad_output.device(),
+                op, ": permuted_rows must be [num_rows, hidden] = [", num_rows, ", ", s.hidden, "] ",
+                grad_output.scalar_type(), " on ", grad_output.device(), " (grad_output's dtype and device), got ",
+                rows.scalar_type(), " ", rows.sizes(), " on ", rows.device());
+  }
+  return s;
 }
 
 MoeGemm1Workspace moe_gemm1_workspace(int64_t rows, int64_t hidden, int64_t intermediate, int64_t num_local_experts,

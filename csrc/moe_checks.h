@@ -67,9 +67,15 @@ struct MoeFinalizeShape {
   int64_t hidden = 0;
 };
 
-MoeFinalizeShape check_moe_finalize(const at::Tensor& permuted_rows,
-                                    const at::Tensor& expanded_to_permuted,
-                                    const at::Tensor& token_final_scales, const char* op);
+// `rows` [*, hidden] is named rows_name in messages (moe_finalize's permuted_rows, its backward's grad_output).
+MoeFinalizeShape check_moe_finalize(const at::Tensor& rows, const at::Tensor& expanded_to_permuted,
+                                    const at::Tensor& token_final_scales, const char* op,
+                                    const char* rows_name = "permuted_rows");
+
+// moe_finalize_backward's arguments (permuted_rows optional: [num_rows, hidden] of grad_output's dtype).
+MoeFinalizeShape check_moe_finalize_backward(const at::Tensor& grad_output, const at::Tensor& expanded_to_permuted,
+                                             const at::Tensor& token_final_scales, int64_t num_rows,
+                                             const c10::optional<at::Tensor>& permuted_rows, const char* op);
 
 // clamp_limits of SwiGLUStep: float32 [E_local] on `like`'s device.
 void check_clamp_limits(const at::Tensor& limits, int64_t num_local_experts, const at::Tensor& like, const char* op);

@@ -115,6 +115,13 @@ TORCH_LIBRARY(cake, m) {
   m.def(
       "moe_finalize(Tensor permuted_rows, Tensor expanded_to_permuted, Tensor token_final_scales, "
       "bool enable_pdl=True) -> Tensor");
+  // moe_finalize's gradients (its autograd formula): (rows_grad [num_rows, H] in grad_output's dtype: a kept route's
+  // row gets scale * grad_output[token] in float32, rounded once, a row no route reads zeros; scales_grad [T, top_k]
+  // float32: the dot product of the route's row and its token's grad_output, zero for dropped routes). scales_grad
+  // needs permuted_rows and is empty ([0]) without it. Kept routes must read distinct rows (as moe_sort's do).
+  m.def(
+      "moe_finalize_backward(Tensor grad_output, Tensor expanded_to_permuted, Tensor token_final_scales, "
+      "SymInt num_rows, Tensor? permuted_rows=None) -> (Tensor rows_grad, Tensor scales_grad)");
   // SwiGLU of [gate | up] halves (the output of transformers' gate_up_proj, as an experts implementation trains
   // it): gate_up [rows, 2I] -> [rows, I] = silu(gate) * up in float32, rounded once; swiglu_backward(grad_out
   // [rows, I], gate_up) -> [rows, 2I]: [grad * up * silu'(gate) | grad * silu(gate)], float32, rounded once.

@@ -137,13 +137,14 @@ def test_cuda_finalize_sums_routes_in_order(t, shard):
 
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), ("cpu", torch.float32)] + [
     pytest.param("cuda", dtype, marks=cuda_only) for dtype in (torch.bfloat16, torch.float16)])  # 16-bit on CUDA
-@pytest.mark.parametrize("t,k,extra_rows", [(7, 3, 0), (1, 8, 0), (5, 4, 6), (0, 2, 0)])
-def test_finalize_backward_matches_float64_autograd(device, dtype, t, k, extra_rows):
-    """moe_finalize's autograd formula: row gradients (one rounding of scale x output gradient; zero for rows no
-    kept route reads, dropped routes' and spare rows past the routes') and scale gradients (float32 dot products;
-    zero for dropped routes) against float64 autograd through the same combine, bitwise across runs."""
+@pytest.mark.parametrize("t,k,extra_rows,hidden", [(7, 3, 0, 40), (1, 8, 0, 40), (5, 4, 6, 1032), (0, 2, 0, 40)])
+def test_finalize_backward_matches_float64_autograd(device, dtype, t, k, extra_rows, hidden):
+    """moe_finalize's autograd formula (cake::moe_finalize_backward): row gradients (one rounding of scale x output
+    gradient; zero for rows no kept route reads, dropped routes' and spare rows past the routes') and scale
+    gradients (float32 dot products; zero for dropped routes) against float64 autograd through the same combine,
+    bitwise across runs; without permuted_rows the op gives the same row gradients and no scale gradients."""
     g = torch.Generator().manual_seed(1000 * t + k)
-    routes, hidden = t * k, 40
+    routes = t * k
     rows = torch.randn(routes + extra_rows, hidden, generator=g).to(dtype)
     e2p = torch.randperm(routes + extra_rows, generator=g)[:routes].int()
     e2p[::3] = -1
@@ -168,6 +169,8 @@ def test_finalize_backward_matches_float64_autograd(device, dtype, t, k, extra_r
     unread[e2p[e2p >= 0].long()] = False
     assert not d_rows[unread.to(device)].any() and not d_scales[~kept.to(device)].any()
     assert all(torch.equal(a, b) for a, b in zip(grads(), (d_rows, d_scales)))
+    rows_only = torch.ops.cake.moe_finalize_backward(grad.to(device), e2p.to(device), scales.to(device), rows.shape[0])
+    assert torch.equal(rows_only[0], d_rows) and rows_only[1].shape == (0,)
 
 
 @cuda_only
@@ -793,6 +796,9 @@ def test_moe_ops_opcheck():
     torch.library.opcheck(torch.ops.cake.swiglu, (gate_up.requires_grad_(),))
     torch.library.opcheck(torch.ops.cake.swiglu_backward, (torch.randn(10, 32).bfloat16(), gate_up.detach()))
     torch.library.opcheck(torch.ops.cake.moe_finalize_out, (rows, e2p, scales, torch.empty(12, 64).bfloat16()))
+    grad = torch.randn(12, 64).bfloat16()
+    torch.library.opcheck(torch.ops.cake.moe_finalize_backward, (grad, e2p, scales, 48, rows))
+    torch.library.opcheck(torch.ops.cake.moe_finalize_backward, (grad, e2p, scales, 48))
     torch.library.opcheck(torch.ops.cake.moe_gemm2_finalize_out,
                           (inter, w2, offsets, p2e, e2p, scales, torch.empty(12, 64).bfloat16()))
 
@@ -830,6 +836,33 @@ class TestMoeGemm1InverseErrors(OpErrorCase):
         self.assertExpectedInline(self.error(*args, expanded_to_permuted=e2p[:6]), """cake::moe_gemm1_swiglu: expanded_to_permuted must be int32 [num_tokens * top_k] = [8] on cpu (moe_sort's), got Int [6] on cpu""")
         with self.assertRaisesRegex(RuntimeError, r"must be int32 \[num_tokens \* top_k\] = \[8\]"):
             self.op(*(a.to("meta") for a in args[:4]), 2, expanded_to_permuted=e2p[:6].to("meta"))
+
+
+class TestMoeFinalizeBackwardErrors(OpErrorCase):
+    op = staticmethod(torch.ops.cake.moe_finalize_backward)
+
+    def test_errors(self):
+        grad, scales, rows = torch.randn(3, 16).bfloat16(), torch.rand(3, 2), torch.randn(8, 16).bfloat16()
+        e2p = torch.tensor([0, 5, -1, 2, 7, 1], dtype=torch.int32)
+        self.assertExpectedInline(self.error(grad[0], e2p, scales, 8), """cake::moe_finalize_backward: grad_output must be 2-D [rows, hidden], got shape [16]""")
+        self.assertExpectedInline(self.error(grad[:2], e2p, scales, 8), """cake::moe_finalize_backward: grad_output must have num_tokens = 3 rows (token_final_scales is [3, 2]), got [2, 16]""")
+        self.assertExpectedInline(self.error(grad, e2p.long(), scales, 8), """cake::moe_finalize_backward: expanded_to_permuted must be int32 [num_tokens * top_k] = [6], got Long [6]""")
+        self.assertExpectedInline(self.error(grad, e2p, scales, -1), """cake::moe_finalize_backward: num_rows must be >= 0, got -1""")
+        self.assertExpectedInline(self.error(grad, e2p, scales, 7), """cake::moe_finalize_backward: expanded_to_permuted must hold -1 or row indices below num_rows = 7, got values in [-1, 7]""")
+        self.assertExpectedInline(self.error(grad, e2p, scales, 8, rows.half()), """cake::moe_finalize_backward: permuted_rows must be [num_rows, hidden] = [8, 16] BFloat16 on cpu (grad_output's dtype and device), got Half [8, 16] on cpu""")
+        twice = e2p.clone()
+        twice[3] = 5
+        self.assertExpectedInline(self.error(grad, twice, scales, 8), """cake::moe_finalize_backward: the kept routes of expanded_to_permuted must read distinct rows (as moe_sort's do); a row read twice has no single route to take its gradient from""")
+        with self.assertRaisesRegex(RuntimeError, r"permuted_rows must be \[num_rows, hidden\] = \[8, 16\]"):  # the fake too
+            self.op(*(a.to("meta") for a in (grad, e2p, scales)), 8, rows[:4].to("meta"))
+
+    @cuda_only
+    def test_cuda_errors(self):
+        grad, scales, e2p = torch.randn(3, 16, device="cuda"), torch.rand(3, 2, device="cuda"), torch.arange(6, device="cuda").int()
+        with self.assertRaisesRegex(RuntimeError, "cake::moe_finalize_backward: CUDA kernels take bfloat16 or float16 grad_output, got Float"):
+            self.op(grad, e2p, scales, 6)
+        with self.assertRaisesRegex(RuntimeError, r"cake::moe_finalize_backward: CUDA kernels need hidden % 8 == 0 \(16-byte rows\), got 12"):
+            self.op(grad[:, :12].bfloat16(), e2p, scales, 6)
 
 
 class TestSwigluErrors(OpErrorCase):

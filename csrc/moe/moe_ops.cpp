@@ -271,6 +271,37 @@ at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expan
   return combine_routes(permuted_rows, expanded_to_permuted, token_final_scales, s);
 }
 
+std::tuple<at::Tensor, at::Tensor> moe_finalize_backward(const at::Tensor& grad_output,
+                                                         const at::Tensor& expanded_to_permuted,
+                                                         const at::Tensor& token_final_scales, int64_t num_rows,
+                                                         const c10::optional<at::Tensor>& permuted_rows) {
+  const char* op = "cake::moe_finalize_backward";
+  const auto s = check_moe_finalize_backward(grad_output, expanded_to_permuted, token_final_scales, num_rows,
+                                             permuted_rows, op);
+  check_index_range(expanded_to_permuted, -1, num_rows,
+                    "expanded_to_permuted must hold -1 or row indices below num_rows", op);
+  const auto kept = at::nonzero(expanded_to_permuted >= 0).view({-1});
+  const auto row = expanded_to_permuted.index_select(0, kept).to(at::kLong);
+  if (row.numel() > 0) {
+    TORCH_CHECK(at::bincount(row, {}, num_rows).max().item<int64_t>() == 1, op,
+                ": the kept routes of expanded_to_permuted must read distinct rows (as moe_sort's do); a row read "
+                "twice has no single route to take its gradient from");
+  }
+  // 16-bit values compute in float32 (one rounding of the product), wider ones in their own type.
+  const auto ct = grad_output.element_size() == 2 ? at::kFloat : grad_output.scalar_type();
+  const auto grad = grad_output.index_select(0, at::floor_divide(kept, s.top_k)).to(ct);
+  auto rows_grad = at::zeros({num_rows, s.hidden}, grad_output.options());
+  const auto route_scales = token_final_scales.reshape({-1}).index_select(0, kept).unsqueeze(1).to(ct);
+  rows_grad.index_copy_(0, row, (grad * route_scales).to(grad_output.scalar_type()));
+  auto scales_grad = at::zeros({permuted_rows.has_value() ? s.num_tokens * s.top_k : 0}, token_final_scales.options());
+  if (permuted_rows.has_value()) {
+    const auto dots = (permuted_rows->index_select(0, row).to(ct) * grad).sum(1);
+    scales_grad.index_copy_(0, kept, dots.to(at::kFloat));
+    scales_grad = scales_grad.view({s.num_tokens, s.top_k});
+  }
+  return {rows_grad, scales_grad};
+}
+
 namespace {
 // 16-bit values compute in float32, wider ones in their own type.
 at::ScalarType swiglu_compute_type(const at::Tensor& t) {
@@ -384,6 +415,7 @@ TORCH_LIBRARY_IMPL(cake, CPU, m) {
   m.impl("quantize_fp8_out", &quantize_fp8_out);
   m.impl("moe_finalize", &moe_finalize);
   m.impl("moe_finalize_out", &moe_finalize_out);
+  m.impl("moe_finalize_backward", &moe_finalize_backward);
   m.impl("swiglu", &swiglu);
   m.impl("swiglu_backward", &swiglu_backward);
   m.impl("moe_gemm2_finalize_out", &moe_gemm2_finalize_out);

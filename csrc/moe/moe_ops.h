@@ -32,6 +32,10 @@ at::Tensor moe_gemm2(const at::Tensor& intermediate, const at::Tensor& w2, const
 at::Tensor moe_finalize(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                         const at::Tensor& token_final_scales, bool enable_pdl);
 
+std::tuple<at::Tensor, at::Tensor> moe_finalize_backward(const at::Tensor& grad_output,
+                                                         const at::Tensor& expanded_to_permuted,
+                                                         const at::Tensor& token_final_scales, int64_t num_rows,
+                                                         const c10::optional<at::Tensor>& permuted_rows);
 at::Tensor swiglu(const at::Tensor& gate_up);
 at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up);
 

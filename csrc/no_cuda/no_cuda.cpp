@@ -18,7 +18,7 @@ TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   for (const char* op : {"grouped_gemm_fwd", "grouped_gemm_dgrad", "grouped_gemm_wgrad", "grouped_gemm_fwd_out",
                          "grouped_gemm_dgrad_out", "grouped_gemm_wgrad_out", "moe_sort", "moe_routing", "moe_routing_out", "moe_gemm1_swiglu", "moe_gemm1_swiglu_out",
                          "moe_gemm2", "moe_gemm2_out", "quantize_fp8", "quantize_fp8_out", "moe_finalize",
-                         "moe_finalize_out", "swiglu", "swiglu_backward", "moe_gemm2_finalize_out", "moe_forward_out",
+                         "moe_finalize_out", "moe_finalize_backward", "swiglu", "swiglu_backward", "moe_gemm2_finalize_out", "moe_forward_out",
                          "moe_forward_from_logits_out"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&not_built>());
   }

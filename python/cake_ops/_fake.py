@@ -274,6 +274,23 @@ def _moe_finalize_fake(permuted_rows, expanded_to_permuted, token_final_scales, 
     return permuted_rows.new_empty((token_final_scales.shape[0], permuted_rows.shape[1]))
 
 
+@register_fake("cake::moe_finalize_backward")
+def _moe_finalize_backward_fake(grad_output, expanded_to_permuted, token_final_scales, num_rows, permuted_rows=None):
+    op = "cake::moe_finalize_backward"
+    _check(grad_output.dim() == 2 and token_final_scales.dim() == 2
+           and grad_output.shape[0] == token_final_scales.shape[0],
+           f"{op}: grad_output must be [num_tokens, hidden] and token_final_scales [num_tokens, top_k], got "
+           f"{list(grad_output.shape)} and {list(token_final_scales.shape)}")
+    _check(token_final_scales.dtype == torch.float32, f"{op}: token_final_scales must be float32")
+    tokens, top_k = token_final_scales.shape
+    if permuted_rows is None:
+        return grad_output.new_empty((num_rows, grad_output.shape[1])), token_final_scales.new_empty((0,))
+    _check(permuted_rows.shape == (num_rows, grad_output.shape[1]) and permuted_rows.dtype == grad_output.dtype,
+           f"{op}: permuted_rows must be [num_rows, hidden] = {[num_rows, grad_output.shape[1]]} {grad_output.dtype}, "
+           f"got {permuted_rows.dtype} {list(permuted_rows.shape)}")
+    return grad_output.new_empty((num_rows, grad_output.shape[1])), token_final_scales.new_empty((tokens, top_k))
+
+
 def _check_swiglu(gate_up, op):
     _check(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0,
            f"{op}: gate_up must be 2-D [rows, 2I] ([gate | up] halves), got shape {list(gate_up.shape)}")

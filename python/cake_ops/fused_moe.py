@@ -85,28 +85,9 @@ def _finalize_backward(ctx, grad):
     times its token's output gradient (zero for rows no kept route reads), a scale's the float32 dot product of
     its row and its token's output gradient (zero for dropped routes)."""
     permuted_rows, expanded_to_permuted, scales = ctx.saved_tensors
-    num_tokens, top_k = scales.shape
-    routes = num_tokens * top_k
-    kept = expanded_to_permuted >= 0
-    route_rows = expanded_to_permuted.long()
-    d_rows = d_scales = None
-    if ctx.needs_input_grad[0]:
-        # The route that feeds each row (-1 for none); a dropped route writes a slot of its own past the rows,
-        # so that every index is distinct (a deterministic scatter).
-        arange = torch.arange(routes, device=grad.device)
-        slot = torch.where(kept, route_rows, ctx.rows + arange)
-        route_of_row = torch.full((ctx.rows + routes,), -1, dtype=torch.long, device=grad.device)
-        route_of_row = route_of_row.scatter_(0, slot, arange)[:ctx.rows]
-        fed = route_of_row >= 0
-        route = route_of_row.clamp_min(0)
-        row_scale = torch.where(fed, scales.reshape(-1)[route], 0.0).unsqueeze(-1)
-        # float32 product, one rounding into the rows' dtype
-        d_rows = grad.index_select(0, route // top_k).mul_(row_scale)
-    if ctx.needs_input_grad[2]:
-        routed = permuted_rows.index_select(0, route_rows.clamp_min(0)).float()
-        dots = torch.bmm(routed.view(num_tokens, top_k, grad.shape[1]), grad.float().unsqueeze(-1)).view(num_tokens, top_k)
-        d_scales = torch.where(kept.view(num_tokens, top_k), dots, 0.0)
-    return d_rows, None, d_scales, None
+    d_rows, d_scales = torch.ops.cake.moe_finalize_backward(grad.contiguous(), expanded_to_permuted, scales, ctx.rows,
+                                                            permuted_rows)
+    return d_rows if ctx.needs_input_grad[0] else None, None, d_scales if ctx.needs_input_grad[2] else None, None
 
 
 torch.library.register_autograd("cake::moe_finalize", _finalize_backward, setup_context=_finalize_setup_context)

@@ -492,6 +492,37 @@ at::Tensor moe_finalize_cuda(const at::Tensor& rows, const at::Tensor& expanded_
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> moe_finalize_backward_cuda(const at::Tensor& grad_in,
+                                                              const at::Tensor& expanded_to_permuted_in,
+                                                              const at::Tensor& scales_in, int64_t num_rows,
+                                                              const c10::optional<at::Tensor>& rows_in) {
+  const char* op = "cake::moe_finalize_backward";
+  const auto s = check_moe_finalize_backward(grad_in, expanded_to_permuted_in, scales_in, num_rows, rows_in, op);
+  TORCH_CHECK(grad_in.scalar_type() == at::kBFloat16 || grad_in.scalar_type() == at::kHalf, op,
+              ": CUDA kernels take bfloat16 or float16 grad_output, got ", grad_in.scalar_type());
+  TORCH_CHECK(s.hidden % 8 == 0, op, ": CUDA kernels need hidden % 8 == 0 (16-byte rows), got ", s.hidden);
+  TORCH_CHECK(s.num_tokens * s.top_k <= INT32_MAX && s.top_k <= INT32_MAX, op,
+              ": CUDA kernels take at most 2^31 - 1 routes, got ", s.num_tokens * s.top_k);
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  select_kernel_arch(grad_in.get_device(), op);
+  const auto grad = grad_in.contiguous();
+  const auto expanded_to_permuted = expanded_to_permuted_in.contiguous();
+  const auto scales = scales_in.contiguous();
+  const auto rows = rows_in.has_value() ? rows_in->contiguous() : at::Tensor();
+  TORCH_CHECK(aligned16(grad) && (!rows.defined() || aligned16(rows)), op,
+              ": grad_output and permuted_rows must be 16-byte aligned");
+  auto rows_grad = at::empty({num_rows, s.hidden}, grad.options());
+  auto scales_grad = rows.defined() ? at::empty({s.num_tokens, s.top_k}, scales.options())
+                                    : at::empty({0}, scales.options());
+  auto route_of_row = at::full({num_rows}, -1, expanded_to_permuted.options());
+  sm90::moe_finalize_backward(grad.data_ptr(), rows.defined() ? rows.data_ptr() : nullptr,
+                              expanded_to_permuted.data_ptr<int32_t>(), scales.data_ptr<float>(), s.num_tokens,
+                              static_cast<int>(s.top_k), num_rows, s.hidden, route_of_row.data_ptr<int32_t>(),
+                              rows_grad.data_ptr(), rows.defined() ? scales_grad.data_ptr<float>() : nullptr,
+                              grad.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream(grad.get_device()));
+  return {rows_grad, scales_grad};
+}
+
 // The SwiGLU kernels read 16-byte vectors: a tensor that is not a contiguous, aligned [rows, 2I] is copied first.
 at::Tensor swiglu_operand(const at::Tensor& t, int64_t inter, const char* op) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, op,
@@ -691,6 +722,7 @@ TORCH_LIBRARY_IMPL(cake, CUDA, m) {
   m.impl("moe_finalize", &moe_finalize_cuda);
   m.impl("moe_gemm2_finalize_out", &moe_gemm2_finalize_out_cuda);
   m.impl("moe_finalize_out", &moe_finalize_out_cuda);
+  m.impl("moe_finalize_backward", &moe_finalize_backward_cuda);
   m.impl("swiglu", &swiglu_cuda);
   m.impl("swiglu_backward", &swiglu_backward_cuda);
   m.impl("moe_forward_out", &moe_forward_out_cuda);

@@ -173,5 +173,12 @@ void moe_decode_layer(const MoeDecodeLayerArgs& a, MoeDecodeElement element, cud
 void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expanded_to_permuted,
                   const float* scales, int64_t tokens, int top_k, int64_t num_rows, void* out, bool is_bf16,
                   cudaStream_t stream, bool pdl);
+// moe_finalize's gradients: rows_grad [num_rows, hidden] and, where permuted_rows and scales_grad are given,
+// scales_grad [tokens * top_k] (see the op's schema). route_of_row: int32 [num_rows] scratch filled with -1. A
+// route index outside [-1, num_rows), or a row two kept routes read, is a device-side error.
+void moe_finalize_backward(const void* grad, const void* permuted_rows, const int32_t* expanded_to_permuted,
+                           const float* scales, int64_t tokens, int top_k, int64_t num_rows, int64_t hidden,
+                           int32_t* route_of_row, void* rows_grad, float* scales_grad, bool is_bf16,
+                           cudaStream_t stream);
 
 }  // namespace cake::sm90

@@ -804,6 +804,72 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   }
 }
 
+// ---- moe_finalize's gradients ------------------------------------------------------------------
+// Two passes, no atomics on values (bitwise reproducible). Pass 1 inverts expanded_to_permuted into
+// route_of_row (filled with -1 before), claiming each row with atomicCAS so that a row two kept routes
+// read is a device-side error; a dropped route's scale gradient is 0. Pass 2: a warp per permuted row.
+__global__ void finalize_route_of_row_kernel(const int32_t* __restrict__ expanded_to_permuted, int64_t routes,
+                                             int64_t num_rows, int32_t* route_of_row, float* scales_grad) {
+  for (int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < routes; r += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t p = expanded_to_permuted[r];
+    if (p >= num_rows || p < -1) {
+      __assert_fail("cake::moe_finalize_backward: expanded_to_permuted must hold -1 or row indices below num_rows",
+                    __FILE__, __LINE__, __func__);
+    }
+    if (p < 0) {
+      if (scales_grad != nullptr) scales_grad[r] = 0.0f;
+    } else if (atomicCAS(route_of_row + p, -1, static_cast<int32_t>(r)) != -1) {
+      __assert_fail("cake::moe_finalize_backward: the kept routes of expanded_to_permuted must read distinct rows",
+                    __FILE__, __LINE__, __func__);
+    }
+  }
+}
+
+constexpr int kFinalizeBackwardWarps = 4;
+
+// Row p of route r = (t, j): rows_grad[p] = scale[r] * grad[t] (float32 product, one rounding), and with rows,
+// scales_grad[r] = sum_h rows[p, h] * grad[t, h] in float32 (each lane in order, then a fixed butterfly); a row
+// no route reads gets zeros.
+template <class T>
+__global__ void __launch_bounds__(32 * kFinalizeBackwardWarps)
+    finalize_backward_kernel(const uint4* __restrict__ grad, const uint4* __restrict__ rows,
+                             const int32_t* __restrict__ route_of_row, const float* __restrict__ scales, int top_k,
+                             int64_t num_rows, int64_t hidden_vecs, uint4* __restrict__ rows_grad,
+                             float* __restrict__ scales_grad) {
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kFinalizeBackwardWarps + (threadIdx.x >> 5);
+  if (row >= num_rows) return;  // warp-uniform, as every branch below
+  uint4* dst = rows_grad + row * hidden_vecs;
+  const int32_t r = route_of_row[row];
+  if (r < 0) {
+    for (int64_t v = lane; v < hidden_vecs; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const float scale = scales[r];
+  const uint4* g_row = grad + int64_t(r / top_k) * hidden_vecs;
+  const uint4* x_row = rows != nullptr ? rows + row * hidden_vecs : nullptr;
+  float dot = 0.0f;
+#pragma unroll 4
+  for (int64_t v = lane; v < hidden_vecs; v += 32) {
+    float g[8], d[8];
+    Vec8<T>::load(__ldg(g_row + v), g);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) d[i] = __fmul_rn(scale, g[i]);
+    dst[v] = Vec8<T>::store(d);
+    if (x_row != nullptr) {
+      float x[8];
+      Vec8<T>::load(__ldg(x_row + v), x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot = __fadd_rn(dot, __fmul_rn(x[i], g[i]));
+    }
+  }
+  if (scales_grad != nullptr) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, offset));
+    if (lane == 0) scales_grad[r] = dot;
+  }
+}
+
 // ---- fp8 per-tensor quantization ----------------------------------------------------------------
 // Grid-stride passes over 16-byte vectors of x (then the last few elements one by one); the amax
 // over the bits of |x| (amax_bits_strided, fp8_e4m3.cuh). A dynamic scale over a small x (decode: the
@@ -1164,6 +1230,25 @@ void moe_finalize(const void* permuted_rows, int64_t hidden, const int32_t* expa
                 0, stream, pdl,
                 static_cast<const uint4*>(permuted_rows), hidden / 8, expanded_to_permuted, scales, top_k, num_rows,
                 static_cast<uint4*>(out));
+}
+
+void moe_finalize_backward(const void* grad, const void* permuted_rows, const int32_t* expanded_to_permuted,
+                           const float* scales, int64_t tokens, int top_k, int64_t num_rows, int64_t hidden,
+                           int32_t* route_of_row, void* rows_grad, float* scales_grad, bool is_bf16,
+                           cudaStream_t stream) {
+  const int64_t routes = tokens * top_k;
+  if (routes > 0) {
+    const int64_t blocks = std::min<int64_t>((routes + 255) / 256, 1024);
+    launch_kernel(finalize_route_of_row_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, stream, false,
+                  expanded_to_permuted, routes, num_rows, route_of_row, scales_grad);
+  }
+  if (num_rows == 0) return;
+  TORCH_CHECK(hidden % 8 == 0, "cake MoE finalize backward: hidden must be a multiple of 8 (internal error)");
+  const int64_t blocks = (num_rows + kFinalizeBackwardWarps - 1) / kFinalizeBackwardWarps;
+  auto kernel = is_bf16 ? finalize_backward_kernel<__nv_bfloat16> : finalize_backward_kernel<__half>;
+  launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(32 * kFinalizeBackwardWarps), 0, stream, false,
+                static_cast<const uint4*>(grad), static_cast<const uint4*>(permuted_rows), route_of_row, scales,
+                top_k, num_rows, hidden / 8, static_cast<uint4*>(rows_grad), scales_grad);
 }
 
 void fp8_quantize(const void* x, FloatType type, int64_t n, const float* scale, void* out, float* scale_out,

@@ -3,7 +3,8 @@
 "grouped_mm" one (torch._grouped_mm), timed in rotation in one run: "fwd" under no_grad (inference: cake runs
 one fused_moe_bf16 call on the module's [gate; up] weights) and "fwd+bwd" (training: cake's sort, grouped_mm and
 moe_finalize). A training call starts with the module's gradients set to None, as after an optimizer step's
-zero_grad(), so that neither side pays an accumulation into .grad (3 weight-sized passes) that a step need not.
+zero_grad(), so that neither side pays an accumulation into .grad (3 weight-sized passes) that a step need not,
+and differentiates the hidden states and the routing weights (a router's softmax output in a model).
 
     python benchmarks/bench_transformers_experts.py [--shapes qwen3_30b,mixtral_8x7b] [--tokens 1024,4096]
 
@@ -96,8 +97,8 @@ def main():
 
             def train(fn):
                 experts.zero_grad(set_to_none=True)
-                xg = x.detach().requires_grad_()
-                fn(experts, xg, ids, weights).float().sum().backward()
+                xg, wg = x.detach().requires_grad_(), weights.detach().requires_grad_()
+                fn(experts, xg, ids, wg).float().sum().backward()
 
             for label, run in (("fwd", forward), ("fwd+bwd", train)):
                 ms = timer.many({n: (lambda fn=fn: run(fn), None) for n, fn in impls.items()})

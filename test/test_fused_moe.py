@@ -580,6 +580,31 @@ def test_transformers_experts_gradients_match_float64_eager(device, family):
         assert rel_err(g, w) < 2e-2, name
 
 
+def test_transformers_experts_trains_a_subset(device):
+    """Frozen parts get no gradient, and the trained ones the same as when everything trains (the SwiGLU experts'
+    node runs only the backward GEMMs some input needs)."""
+    experts = tiny_transformers_model("mixtral", device).model.layers[0].mlp.experts
+    x = torch.randn(11, 128, device=device).bfloat16()
+    ids, weights = torch.randint(0, 8, (11, 2), device=device), torch.rand(11, 2, device=device)
+
+    def grads(trained):
+        experts.zero_grad(set_to_none=True)
+        for name, p in experts.named_parameters():
+            p.requires_grad_(name in trained)
+        xg = x.detach().requires_grad_("x" in trained)
+        cake_ops_nn.transformers_experts_forward(experts, xg, ids, weights).float().square().sum().backward()
+        return {"x": xg.grad, **{name: p.grad for name, p in experts.named_parameters()}}
+
+    everything = grads({"x", "gate_up_proj", "down_proj"})
+    try:
+        for trained in ({"down_proj"}, {"gate_up_proj"}, {"x"}):
+            for name, grad in grads(trained).items():
+                assert (grad is not None) == (name in trained), (trained, name)
+                assert grad is None or torch.equal(grad, everything[name]), (trained, name)
+    finally:
+        experts.requires_grad_(True)
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
 def test_transformers_experts_forward_runs_cake_ops_and_drops_sentinels(grad):
     """Expert-parallel sentinels (ids >= num_experts) contribute zero; the sort, GEMMs and combine are cake's:

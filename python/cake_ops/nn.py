@@ -280,8 +280,8 @@ class _SwigluExperts(torch.autograd.Function):
     """Plain SwiGLU experts on expert-sorted rows, ``down[e] @ swiglu(gate_up[e] @ x)`` per group, as one autograd
     node: forward two grouped GEMMs and cake::swiglu; backward two dgrad, two wgrad (deterministic) and
     swiglu_backward. Where grouped_mm and the module's own gate (chunk, silu, mul) record five nodes and run six
-    elementwise passes: a Qwen3-30B-sized training step is host-bound, so host time per node counts as much as
-    the gate's GPU time (NOTES, session 58)."""
+    elementwise passes; at Qwen3-30B sizes a training step's host time is close to its GPU time, so the nodes'
+    host time counts as much as the gate's kernels (NOTES, session 58)."""
 
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, m_indptr):
@@ -298,10 +298,12 @@ class _SwigluExperts(torch.autograd.Function):
     def backward(ctx, grad):
         x, gate_up, h, gate_up_proj, down_proj, m_indptr = ctx.saved_tensors
         grad, rows, num_experts = grad.contiguous(), x.shape[0], down_proj.shape[0]
-        d_h = _gemm(torch.ops.cake.grouped_gemm_dgrad, "dgrad", (grad, down_proj, m_indptr), rows, down_proj)
         d_down = (_gemm(torch.ops.cake.grouped_gemm_wgrad, _wgrad_family(down_proj.dtype),
                         (grad, h, m_indptr, num_experts, down_proj.dtype), rows, down_proj)
                   if ctx.needs_input_grad[2] else None)
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only down_proj trains
+            return None, None, d_down, None
+        d_h = _gemm(torch.ops.cake.grouped_gemm_dgrad, "dgrad", (grad, down_proj, m_indptr), rows, down_proj)
         d_gate_up = _call(torch.ops.cake.swiglu_backward, (d_h, gate_up))
         d_x = (_gemm(torch.ops.cake.grouped_gemm_dgrad, "dgrad", (d_gate_up, gate_up_proj, m_indptr), rows,
                      gate_up_proj)

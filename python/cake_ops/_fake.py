@@ -282,13 +282,13 @@ def _moe_finalize_backward_fake(grad_output, expanded_to_permuted, token_final_s
            f"{op}: grad_output must be [num_tokens, hidden] and token_final_scales [num_tokens, top_k], got "
            f"{list(grad_output.shape)} and {list(token_final_scales.shape)}")
     _check(token_final_scales.dtype == torch.float32, f"{op}: token_final_scales must be float32")
-    tokens, top_k = token_final_scales.shape
+    rows_grad = grad_output.new_empty((num_rows, grad_output.shape[1]))
     if permuted_rows is None:
-        return grad_output.new_empty((num_rows, grad_output.shape[1])), token_final_scales.new_empty((0,))
-    _check(permuted_rows.shape == (num_rows, grad_output.shape[1]) and permuted_rows.dtype == grad_output.dtype,
-           f"{op}: permuted_rows must be [num_rows, hidden] = {[num_rows, grad_output.shape[1]]} {grad_output.dtype}, "
+        return rows_grad, token_final_scales.new_empty((0,))
+    _check(permuted_rows.shape == rows_grad.shape and permuted_rows.dtype == grad_output.dtype,
+           f"{op}: permuted_rows must be [num_rows, hidden] = {list(rows_grad.shape)} {grad_output.dtype}, "
            f"got {permuted_rows.dtype} {list(permuted_rows.shape)}")
-    return grad_output.new_empty((num_rows, grad_output.shape[1])), token_final_scales.new_empty((tokens, top_k))
+    return rows_grad, token_final_scales.new_empty(token_final_scales.shape)
 
 
 def _check_swiglu(gate_up, op):

@@ -77,8 +77,7 @@ def grouped_gemm_fwd(x: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tens
     """
     warn_experimental(_FEATURE)
     bounds = _bounds("grouped_gemm_fwd", offs, m_indptr, w.shape[0])
-    return _tuned_call(_fwd_family(x.dtype), torch.ops.cake.grouped_gemm_fwd, (x, w, bounds),
-                       lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
+    return _fwd(x, w, bounds)
 
 
 def grouped_gemm_dgrad(grad_out: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tensor] = None, *,
@@ -124,6 +123,23 @@ def _tuned_call(family, op, args, dims):
     return _call(op, args)
 
 
+def _fwd(x, w, offs):
+    """cake::grouped_gemm_fwd(x, w, offs), tuned inside cake_ops.autotune()."""
+    return _tuned_call(_fwd_family(x.dtype), torch.ops.cake.grouped_gemm_fwd, (x, w, offs),
+                       lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
+
+
+def _fwd_grads(grad, x, w, offs, need_x, need_w):
+    """The gradients (x's, w's; None where not needed) of ``grouped_gemm_fwd(x, w, offs)`` given the output's
+    contiguous ``grad``: the dgrad and (deterministic) wgrad kernels, tuned inside cake_ops.autotune()."""
+    e, n, k = w.shape
+    dims = lambda: (e, x.shape[0], n, k)  # noqa: E731
+    dx = _tuned_call("dgrad", torch.ops.cake.grouped_gemm_dgrad, (grad, w, offs), dims) if need_x else None
+    dw = (_tuned_call(_wgrad_family(w.dtype), torch.ops.cake.grouped_gemm_wgrad, (grad, x, offs, e, w.dtype), dims)
+          if need_w else None)
+    return dx, dw
+
+
 def _call(op, args):
     """op(*args), straight to the backend kernel when no autograd graph is being recorded (in
     autograd.Function.forward, in a backward without create_graph): the op's Python autograd
@@ -146,14 +162,7 @@ def _fwd_setup_context(ctx, inputs, output):
 
 def _fwd_backward(ctx, grad):
     x, w, offs = ctx.saved_tensors
-    grad = grad.contiguous()
-    e, n, k = w.shape
-    dims = lambda: (e, x.shape[0], n, k)  # noqa: E731
-    dx = (_tuned_call("dgrad", torch.ops.cake.grouped_gemm_dgrad, (grad, w, offs), dims)
-          if ctx.needs_input_grad[0] else None)
-    dw = (_tuned_call(_wgrad_family(w.dtype), torch.ops.cake.grouped_gemm_wgrad, (grad, x, offs, e, w.dtype), dims)
-          if ctx.needs_input_grad[1] else None)
-    return dx, dw, None
+    return (*_fwd_grads(grad.contiguous(), x, w, offs, ctx.needs_input_grad[0], ctx.needs_input_grad[1]), None)
 
 
 def _dgrad_backward(ctx, grad):
@@ -197,8 +206,7 @@ class CakeGroupedMm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offs, deterministic=True):
         _fwd_setup_context(ctx, (x, w, offs), None)
-        return _tuned_call(_fwd_family(x.dtype), torch.ops.cake.grouped_gemm_fwd, (x, w, offs),
-                           lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
+        return _fwd(x, w, offs)
 
     @staticmethod
     def backward(ctx, grad):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused_moe import fused_moe_bf16, interleave_up_gate_sm90
-from .grouped_gemm import _call, _fwd_family, _tuned_call, _wgrad_family, grouped_mm
+from .grouped_gemm import _call, _fwd, _fwd_grads, grouped_mm
 
 __all__ = ["FusedMoE", "register_transformers_experts", "replace_sparse_moe_blocks", "transformers_experts_forward"]
 
@@ -271,11 +271,6 @@ def _gates_by_swiglu(experts: torch.nn.Module, hidden_states: torch.Tensor) -> b
         or (hidden_states.dtype in (torch.bfloat16, torch.float16) and experts.down_proj.shape[-1] % 8 == 0))
 
 
-def _gemm(op, family, args, num_rows, weight):
-    """One grouped GEMM of the experts' projections (``dims`` as grouped_gemm's autotune buckets take them)."""
-    return _tuned_call(family, op, args, lambda: (weight.shape[0], num_rows, weight.shape[1], weight.shape[2]))
-
-
 class _SwigluExperts(torch.autograd.Function):
     """Plain SwiGLU experts on expert-sorted rows, ``down[e] @ swiglu(gate_up[e] @ x)`` per group, as one autograd
     node: forward two grouped GEMMs and cake::swiglu; backward two dgrad, two wgrad (deterministic) and
@@ -285,32 +280,22 @@ class _SwigluExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, m_indptr):
-        rows = x.shape[0]
-        gate_up = _gemm(torch.ops.cake.grouped_gemm_fwd, _fwd_family(x.dtype), (x, gate_up_proj, m_indptr), rows,
-                        gate_up_proj)
+        gate_up = _fwd(x, gate_up_proj, m_indptr)
         h = _call(torch.ops.cake.swiglu, (gate_up,))
         ctx.save_for_backward(x, gate_up, h, gate_up_proj, down_proj, m_indptr)
-        return _gemm(torch.ops.cake.grouped_gemm_fwd, _fwd_family(x.dtype), (h, down_proj, m_indptr), rows,
-                     down_proj)
+        return _fwd(h, down_proj, m_indptr)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, gate_up, h, gate_up_proj, down_proj, m_indptr = ctx.saved_tensors
-        grad, rows, num_experts = grad.contiguous(), x.shape[0], down_proj.shape[0]
-        d_down = (_gemm(torch.ops.cake.grouped_gemm_wgrad, _wgrad_family(down_proj.dtype),
-                        (grad, h, m_indptr, num_experts, down_proj.dtype), rows, down_proj)
-                  if ctx.needs_input_grad[2] else None)
-        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only down_proj trains
+        need_x, need_gate_up, need_down = ctx.needs_input_grad[:3]
+        # h's gradient only where x's or gate_up_proj's is wanted (a run may train down_proj alone)
+        d_h, d_down = _fwd_grads(grad.contiguous(), h, down_proj, m_indptr, need_x or need_gate_up, need_down)
+        if d_h is None:
             return None, None, d_down, None
-        d_h = _gemm(torch.ops.cake.grouped_gemm_dgrad, "dgrad", (grad, down_proj, m_indptr), rows, down_proj)
         d_gate_up = _call(torch.ops.cake.swiglu_backward, (d_h, gate_up))
-        d_x = (_gemm(torch.ops.cake.grouped_gemm_dgrad, "dgrad", (d_gate_up, gate_up_proj, m_indptr), rows,
-                     gate_up_proj)
-               if ctx.needs_input_grad[0] else None)
-        d_gate_up_proj = (_gemm(torch.ops.cake.grouped_gemm_wgrad, _wgrad_family(gate_up_proj.dtype),
-                                (d_gate_up, x, m_indptr, num_experts, gate_up_proj.dtype), rows, gate_up_proj)
-                          if ctx.needs_input_grad[1] else None)
+        d_x, d_gate_up_proj = _fwd_grads(d_gate_up, x, gate_up_proj, m_indptr, need_x, need_gate_up)
         return d_x, d_gate_up_proj, d_down, None
 
 
@@ -348,9 +333,9 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     cake's deterministic wgrad kernel, the hidden states' and the routing weights' from moe_finalize's kernel
     and autograd formula (the biases' from torch's indexed adds, as in transformers' own implementations).
     Plain SwiGLU experts train through one autograd node (:class:`_SwigluExperts`: the two projections and
-    cake::swiglu, the gate in float32 rounded once). Where nothing needs a gradient, plain SwiGLU experts run as one :func:`fused_moe_bf16` call on the
-    ``[gate; up]`` weights as they are (``w1_layout="gate_up"``) with its fixed-order float32 combine
-    (``use_fused_finalize=False``: deterministic, as the sum above)."""
+    cake::swiglu, the gate in float32 rounded once). Where nothing needs a gradient, plain SwiGLU experts run
+    as one :func:`fused_moe_bf16` call on the ``[gate; up]`` weights as they are (``w1_layout="gate_up"``) with
+    its fixed-order float32 combine (``use_fused_finalize=False``: deterministic, as the sum above)."""
     num_tokens, top_k = top_k_index.shape
     num_experts = experts.num_experts
     if _runs_fused(experts, hidden_states, top_k_weights):

@@ -605,6 +605,59 @@ def test_transformers_experts_trains_a_subset(device):
         experts.requires_grad_(True)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_transformers_experts_under_autocast(device, family, weights):
+    """A training step under torch.autocast with float32 hidden states (a LayerNorm's output) and float32 (master)
+    or bf16 weights: the experts run in bf16 as the same step on bf16 casts does, gradients in each tensor's
+    dtype. Mixtral's SwiGLU experts: bit for bit that step (its output rounded to bf16: autocast's stays float32);
+    gpt-oss's float32 biases add in float32 under autocast, so only close there."""
+    experts = tiny_transformers_model(family, device).model.layers[0].mlp.experts.to(getattr(torch, weights))
+    x = torch.randn(13, 128, device=device)
+    ids, scales = torch.randint(0, 8, (13, 2), device=device), torch.rand(13, 2, device=device)
+    grad = torch.randn(13, 128, device=device).bfloat16().float()  # the same in both runs' dtypes
+
+    def run(module, x, autocast):
+        module.zero_grad(set_to_none=True)
+        xg, sg = x.detach().requires_grad_(), scales.detach().clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = cake_ops_nn.transformers_experts_forward(module, xg, ids, sg)
+        out.backward(grad.to(out.dtype))
+        return [out, xg.grad, sg.grad] + [p.grad for p in module.parameters()]
+
+    got = run(experts, x, True)
+    want = run(copy.deepcopy(experts).bfloat16(), x.bfloat16(), False)
+    assert [g.dtype for g in got] == [torch.float32, torch.float32, torch.float32] + [
+        p.dtype for p in experts.parameters()]
+    for name, g, w in zip(["out", "hidden states", "routing weights"] + [n for n, _ in experts.named_parameters()],
+                          got, want):
+        if family == "mixtral":
+            assert torch.equal(g.to(w.dtype), w), name
+        else:
+            assert rel_err(g, w) < 2e-2, name
+    if family == "mixtral":  # inference: fused_moe_bf16 on the casts
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), RecordOps() as record:
+            out = cake_ops_nn.transformers_experts_forward(experts, x, ids, scales)
+        assert "cake.moe_gemm1_swiglu.default" in record.ops and out.dtype == torch.float32
+        with torch.no_grad():
+            want = cake_ops_nn.transformers_experts_forward(copy.deepcopy(experts).bfloat16(), x.bfloat16(), ids,
+                                                            scales)
+        assert torch.equal(out.bfloat16(), want)
+
+
+def test_fused_moe_module_under_autocast(device):
+    """FusedMoE (bf16 weights) takes float32 hidden states inside torch.autocast as a Linear does: cast to bf16."""
+    moe = cake_ops_nn.FusedMoE.from_sparse_moe_block(transformers_block("mixtral", device))
+    x = torch.randn(2, 9, 128, device=device)
+    with torch.no_grad():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            got = moe(x)
+        want = moe(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="FusedMoE: hidden_states must be"):
+        moe(x)  # outside autocast a float32 input is refused
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
 def test_transformers_experts_forward_runs_cake_ops_and_drops_sentinels(grad):
     """Expert-parallel sentinels (ids >= num_experts) contribute zero; the sort, GEMMs and combine are cake's:

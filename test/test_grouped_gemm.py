@@ -389,6 +389,101 @@ def test_grouped_mm_compiles_with_backward(device):
 
 
 # ----------------------------------------------------------------------------------------------
+# torch.autocast: the GEMMs run in its dtype, as torch.mm does, and gradients return in the inputs' dtypes
+
+
+def cast_run(fn, tensors, dtype, grad):
+    """fn(*tensors) and the tensors' gradients for ``grad`` (None where a tensor needs none), the tensors
+    taken as leaves, cast to ``dtype`` (None: as they are)."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_(t.requires_grad) for t in tensors]
+    out = fn(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad", "cake_grouped_mm"])
+def test_grouped_gemm_ops_under_autocast_compute_in_its_dtype(device, op):
+    """float32 operands inside torch.autocast: the bf16 computation on their casts, bit for bit, and float32
+    gradients that are the bf16 ones (the casts sit above autograd, or in cake_grouped_mm's forward)."""
+    sizes = [0, 1, 130, 7, 0, 64]
+    offs, rows, e = make_offs(sizes, device), sum(sizes) + 3, len(sizes)
+    a = rand(rows, 48, dtype=torch.float32, device=device).requires_grad_()
+    fns = {"fwd": lambda a, b: torch.ops.cake.grouped_gemm_fwd(a, b, offs),
+           "dgrad": lambda a, b: torch.ops.cake.grouped_gemm_dgrad(a, b, offs),
+           "wgrad": lambda a, b: torch.ops.cake.grouped_gemm_wgrad(a, b, offs, e, torch.float32),
+           "cake_grouped_mm": lambda a, b: gg.cake_grouped_mm(a, b, offs)}
+    b = rand(*((rows, 40) if op == "wgrad" else (e, 40, 48) if op != "dgrad" else (e, 48, 40)),
+             dtype=torch.float32, device=device).requires_grad_()
+    grad = rand(*fns[op](a.detach().bfloat16(), b.detach().bfloat16()).shape, dtype=torch.bfloat16, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = cast_run(fns[op], (a, b), None, grad)
+    want = cast_run(fns[op], (a, b), torch.bfloat16, grad)
+    assert got[0].dtype == (torch.float32 if op == "wgrad" else torch.bfloat16)
+    assert torch.equal(got[0], want[0].to(got[0].dtype))
+    for g, w in zip(got[1:], want[1:]):
+        assert g.dtype == torch.float32 and torch.equal(g, w.float())
+
+
+def test_grouped_gemm_ops_under_autocast_keep_float64_and_wgrad_out_dtype():
+    """autocast leaves float64 alone (as torch.mm; CPU: the CUDA kernels take 16-bit operands), and wgrad's
+    out_dtype naming its input's dtype follows the input through the cast."""
+    x, w, offs = rand(9, 16, dtype=torch.float64, device="cpu"), rand(2, 8, 16, dtype=torch.float64, device="cpu"), \
+        make_offs([4, 5], "cpu")
+    g = rand(9, 8, dtype=torch.float16, device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.ops.cake.grouped_gemm_fwd(x, w, offs)
+        dw = torch.ops.cake.grouped_gemm_wgrad(g, x.half(), offs, 2, torch.float16)
+    assert y.dtype == torch.float64 and torch.equal(y, torch.ops.cake.grouped_gemm_fwd(x, w, offs))
+    want = torch.ops.cake.grouped_gemm_wgrad(g.bfloat16(), x.half().bfloat16(), offs, 2, torch.bfloat16)
+    assert dw.dtype == torch.bfloat16 and torch.equal(dw, want)
+
+
+@pytest.mark.parametrize("form", GROUPED_MM_FORMS)
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_grouped_mm_under_autocast_matches_the_bf16_run(device, form, weights):
+    """As a training step under torch.autocast calls it: float32 activations (a LayerNorm's output) with float32
+    or bf16 weights. The result and the gradients are the bf16 call's, the gradients in each input's dtype."""
+    mat_a, mat_b, offs, out_dtype, _ = grouped_mm_case(form, device)
+    a = mat_a.float().requires_grad_()
+    b = mat_b.to(getattr(torch, weights)).requires_grad_()
+    fn = lambda a, b: cake_ops.grouped_mm(a, b, offs, out_dtype=out_dtype)  # noqa: E731
+    grad = rand(*fn(mat_a, mat_b).shape, dtype=torch.bfloat16, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = cast_run(fn, (a, b), None, grad)
+    want = cast_run(fn, (a, b), torch.bfloat16, grad)
+    assert got[0].dtype == (out_dtype or torch.bfloat16) and torch.equal(got[0], want[0])
+    assert got[1].dtype == torch.float32 and torch.equal(got[1], want[1].float())
+    assert got[2].dtype == b.dtype and torch.equal(got[2], want[2].to(b.dtype))
+
+
+def test_grouped_mm_compiles_under_autocast(device):
+    """fullgraph with backward inside torch.autocast, float32 weights: bitwise the eager autocast step."""
+    torch._dynamo.reset()
+    offs = make_offs([40, 0, 1, 23], device)
+    w1 = (rand(4, 48, 32, dtype=torch.float32, device=device) * 0.1).requires_grad_()
+    w2 = (rand(4, 32, 48, dtype=torch.float32, device=device) * 0.1).requires_grad_()
+
+    def experts(x):
+        h = torch.nn.functional.silu(cake_ops.grouped_mm(x, w1.transpose(-2, -1), offs))
+        return cake_ops.grouped_mm(h, w2.transpose(-2, -1), offs)
+
+    def step(fn, x):
+        w1.grad = w2.grad = None
+        x = x.detach().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = fn(x)
+        out.float().square().mean().backward()
+        return out.detach(), x.grad, w1.grad, w2.grad
+
+    x = rand(67, 32, dtype=torch.float32, device=device)
+    eager = step(experts, x)
+    assert eager[0].dtype == torch.bfloat16 and eager[3].dtype == torch.float32
+    compiled = step(torch.compile(experts, fullgraph=True), x)
+    for a, b in zip(eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
 # Autotuning
 
 

@@ -46,7 +46,7 @@ for step in "$@"; do
     api)
       { header api "the GPU tests of the Python-level APIs"
         run_by "$END" 40 $PYTEST test/test_grouped_gemm.py test/test_fused_moe.py test/test_benchmarks.py \
-          -k "grouped_mm or fused_moe_module or transformers or sparse_moe or test_benchmarks" 2>&1 | quiet; } \
+          -k "grouped_mm or fused_moe_module or transformers or sparse_moe or test_benchmarks or autocast" 2>&1 | quiet; } \
         | tee "$OUT/gpu_test_api_$TAG.log" | tail -5 ;;
     hf)
       cmd="python3 benchmarks/bench_transformers_experts.py --shapes qwen3_30b,mixtral_8x7b --tokens 1024,4096,16384"

@@ -108,6 +108,23 @@ def grouped_gemm_wgrad(grad_out: torch.Tensor, x: torch.Tensor, offs: Optional[t
                        lambda: (num_groups, x.shape[0], grad_out.shape[1], x.shape[1]))
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype cake's GEMM ops compute t in: inside a torch.autocast region of t's device, autocast's dtype
+    for a floating, non-float64 t (the ops' autocast rule, csrc/grouped_gemm_autocast.cpp: torch.mm's); else
+    t's own."""
+    dev = t.device.type
+    if dev in ("cuda", "cpu") and t.is_floating_point() and t.dtype != torch.float64 \
+            and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return t.dtype
+
+
+def _autocast(t: torch.Tensor) -> torch.Tensor:
+    """t as cake's GEMM ops compute it (:func:`_compute_dtype`): a cast inside torch.autocast, else t itself.
+    For autograd.Functions, whose backward runs outside the region: the casts are made, and saved, in forward."""
+    return t.to(_compute_dtype(t))
+
+
 def _fwd_family(dtype):
     return "fwd_f16" if dtype == torch.float16 else "fwd"
 
@@ -125,7 +142,7 @@ def _tuned_call(family, op, args, dims):
 
 def _fwd(x, w, offs):
     """cake::grouped_gemm_fwd(x, w, offs), tuned inside cake_ops.autotune()."""
-    return _tuned_call(_fwd_family(x.dtype), torch.ops.cake.grouped_gemm_fwd, (x, w, offs),
+    return _tuned_call(_fwd_family(_compute_dtype(x)), torch.ops.cake.grouped_gemm_fwd, (x, w, offs),
                        lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
 
 
@@ -205,6 +222,7 @@ class CakeGroupedMm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offs, deterministic=True):
+        x, w = _autocast(x), _autocast(w)
         _fwd_setup_context(ctx, (x, w, offs), None)
         return _fwd(x, w, offs)
 
@@ -323,13 +341,14 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Te
                         f"{type(mat_a).__name__}, {type(mat_b).__name__} and {type(offs).__name__}")
     if bias is not None:
         raise ValueError(f"{fn}: bias is not supported, got a {type(bias).__name__}; add it to the output")
-    if mat_a.dtype != mat_b.dtype:
+    dtype = _compute_dtype(mat_a)  # inside torch.autocast: its dtype, as for torch.mm
+    if _compute_dtype(mat_b) != dtype:
         raise ValueError(f"{fn}: mat_a and mat_b must have one dtype, got {mat_a.dtype} and {mat_b.dtype}")
     if offs.dim() != 1 or offs.dtype != torch.int32:
         raise ValueError(f"{fn}: offs must be a 1-D int32 tensor of group ends, got {offs.dtype} {list(offs.shape)}")
     if mat_a.dim() == 2 and mat_b.dim() == 3:
-        if out_dtype not in (None, mat_a.dtype):
-            raise ValueError(f"{fn}: the [sum_m, K] x [E, K, N] form returns mat_a's dtype {mat_a.dtype}, "
+        if out_dtype not in (None, dtype):
+            raise ValueError(f"{fn}: the [sum_m, K] x [E, K, N] form returns mat_a's dtype {dtype}, "
                              f"got out_dtype={out_dtype}")
         if offs.shape[0] != mat_b.shape[0] or mat_a.shape[1] != mat_b.shape[1]:
             raise ValueError(f"{fn}: mat_a [sum_m, K], mat_b [E, K, N] and offs [E] must agree, got "
@@ -339,13 +358,14 @@ def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Optional[torch.Te
             return grouped_gemm_dgrad(mat_a.contiguous(), mat_b, offs)
         return grouped_gemm_fwd(mat_a.contiguous(), w.contiguous(), offs)
     if mat_a.dim() == 2 and mat_b.dim() == 2:
-        if out_dtype not in (None, mat_a.dtype, torch.float32):
-            raise ValueError(f"{fn}: the [M, sum_k] x [sum_k, N] form returns mat_a's dtype {mat_a.dtype} or "
+        if out_dtype not in (None, dtype, torch.float32):
+            raise ValueError(f"{fn}: the [M, sum_k] x [sum_k, N] form returns mat_a's dtype {dtype} or "
                              f"float32, got out_dtype={out_dtype}")
         if mat_a.shape[1] != mat_b.shape[0]:
             raise ValueError(f"{fn}: mat_a [M, sum_k] and mat_b [sum_k, N] must agree on sum_k, got "
                              f"{list(mat_a.shape)} and {list(mat_b.shape)}")
-        return grouped_gemm_wgrad(mat_a.transpose(0, 1).contiguous(), mat_b.contiguous(), offs, out_dtype=out_dtype)
+        return grouped_gemm_wgrad(mat_a.transpose(0, 1).contiguous(), mat_b.contiguous(), offs,
+                                  out_dtype=out_dtype if out_dtype is not None else dtype)
     raise ValueError(f"{fn}: serves mat_a [sum_m, K] x mat_b [E, K, N] and mat_a [M, sum_k] x mat_b [sum_k, N] "
                      f"with offs, got {mat_a.dim()}-D x {mat_b.dim()}-D")
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused_moe import fused_moe_bf16, interleave_up_gate_sm90
-from .grouped_gemm import _call, _fwd, _fwd_grads, grouped_mm
+from .grouped_gemm import _autocast, _call, _compute_dtype, _fwd, _fwd_grads, grouped_mm
 
 __all__ = ["FusedMoE", "register_transformers_experts", "replace_sparse_moe_blocks", "transformers_experts_forward"]
 
@@ -179,6 +179,7 @@ class FusedMoE(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
+        hidden_states = _autocast(hidden_states)  # inside torch.autocast: its dtype, as a Linear's input
         if shape[-1] != self.w1.shape[2] or hidden_states.dtype != self.w1.dtype:
             raise ValueError(f"FusedMoE: hidden_states must be [..., hidden={self.w1.shape[2]}] {self.w1.dtype}, got "
                              f"{list(shape)} {hidden_states.dtype}")
@@ -234,7 +235,8 @@ def replace_sparse_moe_blocks(model: torch.nn.Module, **kwargs) -> int:
 
 def _plain_swiglu(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
     """Whether an experts module is transformers' plain SwiGLU experts (gate-first ``gate_up_proj [E, 2I, H]``,
-    ``down_proj [E, H, I]``, both contiguous, no bias, the default gate on silu) in hidden_states' dtype."""
+    ``down_proj [E, H, I]``, both contiguous, no bias, the default gate on silu) in hidden_states' dtype (inside
+    torch.autocast: once cast, as the GEMMs see them)."""
     from transformers.activations import SiLUActivation
     from transformers.integrations.moe import _default_apply_gate
 
@@ -247,7 +249,7 @@ def _plain_swiglu(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool
              and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)))
     return (plain and gate_up.dim() == 3 and gate_up.shape[1] % 2 == 0
             and list(down.shape) == [gate_up.shape[0], hidden_states.shape[-1], gate_up.shape[1] // 2]
-            and gate_up.dtype == hidden_states.dtype and down.dtype == hidden_states.dtype
+            and _compute_dtype(gate_up) == hidden_states.dtype and _compute_dtype(down) == hidden_states.dtype
             and gate_up.is_contiguous() and down.is_contiguous())
 
 
@@ -280,6 +282,7 @@ class _SwigluExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, m_indptr):
+        x, gate_up_proj, down_proj = _autocast(x), _autocast(gate_up_proj), _autocast(down_proj)
         gate_up = _fwd(x, gate_up_proj, m_indptr)
         h = _call(torch.ops.cake.swiglu, (gate_up,))
         ctx.save_for_backward(x, gate_up, h, gate_up_proj, down_proj, m_indptr)
@@ -335,13 +338,19 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     Plain SwiGLU experts train through one autograd node (:class:`_SwigluExperts`: the two projections and
     cake::swiglu, the gate in float32 rounded once). Where nothing needs a gradient, plain SwiGLU experts run
     as one :func:`fused_moe_bf16` call on the ``[gate; up]`` weights as they are (``w1_layout="gate_up"``) with
-    its fixed-order float32 combine (``use_fused_finalize=False``: deterministic, as the sum above)."""
+    its fixed-order float32 combine (``use_fused_finalize=False``: deterministic, as the sum above). Inside
+    ``torch.autocast`` (float32 weights, or float32 hidden states next to bfloat16 weights) the projections run
+    in autocast's dtype, as ``torch.mm`` would, with the gradients reaching the float32 tensors in their dtype;
+    the output is in hidden_states' dtype."""
     num_tokens, top_k = top_k_index.shape
     num_experts = experts.num_experts
+    out_dtype = hidden_states.dtype
+    hidden_states = _autocast(hidden_states)  # inside torch.autocast: the GEMMs' dtype, cast before the gather
     if _runs_fused(experts, hidden_states, top_k_weights):
         return fused_moe_bf16(hidden_states.contiguous(), top_k_index.to(torch.int32).contiguous(),
-                              top_k_weights.float().contiguous(), experts.gate_up_proj, experts.down_proj,
-                              num_experts, top_k, use_fused_finalize=False, w1_layout="gate_up")
+                              top_k_weights.float().contiguous(), _autocast(experts.gate_up_proj),
+                              _autocast(experts.down_proj), num_experts, top_k, use_fused_finalize=False,
+                              w1_layout="gate_up").to(out_dtype)
     transposed = getattr(experts, "is_transposed", False)
     bias = getattr(experts, "has_bias", False)
     _, m_indptr, permuted_to_expanded, expanded_to_permuted, _ = torch.ops.cake.moe_sort(
@@ -367,11 +376,11 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     scales = top_k_weights.reshape(num_tokens, top_k).float()
     if _combines_on_cake(y):
         # one kernel each way (moe_finalize's autograd formula), where the torch ops below take five passes
-        return torch.ops.cake.moe_finalize(y, expanded_to_permuted, scales).to(hidden_states.dtype)
+        return torch.ops.cake.moe_finalize(y, expanded_to_permuted, scales).to(out_dtype)
     dropped = expanded_to_permuted < 0
     y = y[expanded_to_permuted.clamp_min(0).long()].float()
     weights = scales.reshape(-1, 1).masked_fill(dropped.unsqueeze(-1), 0.0)
-    return (y * weights).view(num_tokens, top_k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+    return (y * weights).view(num_tokens, top_k, y.shape[-1]).sum(dim=1).to(out_dtype)
 
 
 def register_transformers_experts(name: str = "cake") -> None:

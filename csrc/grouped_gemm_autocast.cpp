@@ -13,7 +13,8 @@ namespace cake {
 namespace {
 
 using GemmFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
-using WgradFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType);
+using WgradFn =
+    at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, at::ScalarType);
 
 template <class Fn>
 c10::TypedOperatorHandle<Fn> op_handle(const char* name) {
@@ -22,21 +23,25 @@ c10::TypedOperatorHandle<Fn> op_handle(const char* name) {
 
 template <c10::DeviceType kDevice>
 struct Autocast {
+  static c10::DispatchKey autocast_key() {
+    return at::autocast::get_autocast_dispatch_key_from_device_type(kDevice);
+  }
   static at::Tensor cast(const at::Tensor& t) {
-    return at::autocast::cached_cast(at::autocast::get_lower_precision_fp_from_device_type(kDevice), t, kDevice);
+    const auto dtype = at::autocast::get_lower_precision_fp_from_device_type(kDevice);
+    return at::autocast::cached_cast(dtype, t, kDevice);
   }
 
   // fwd (x, w, offs) and dgrad (grad_out, w, offs) share a signature.
   template <const char* kName>
   static at::Tensor gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& offs) {
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key());
     static const auto op = op_handle<GemmFn>(kName);
     return op.call(cast(a), cast(w), offs);
   }
 
   static at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& offs,
                           int64_t num_groups, at::ScalarType out_dtype) {
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key());
     static const auto op = op_handle<WgradFn>("cake::grouped_gemm_wgrad");
     const auto a = cast(grad_out), b = cast(x);
     // out_dtype is x's dtype or float32 (the op's rule); x's dtype follows x through the cast.

@@ -365,7 +365,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     def project(inp, name):
         weight = getattr(experts, name)
         out = grouped_mm(inp, weight if transposed else weight.transpose(-2, -1), m_indptr[1:])
-        return out + getattr(experts, name + "_bias")[row_expert] * row_kept if bias else out
+        # the bias in the GEMM's dtype under torch.autocast, as F.linear casts its bias
+        return out + _autocast(getattr(experts, name + "_bias"))[row_expert] * row_kept if bias else out
 
     if _gates_by_swiglu(experts, hidden_states):
         y = _SwigluExperts.apply(x.contiguous(), experts.gate_up_proj, experts.down_proj, m_indptr)

@@ -523,20 +523,25 @@ def test_transformers_experts_implementation_trains_like_eager(device, family):
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
-def test_transformers_experts_forward_compiles_with_backward(device, family):
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_transformers_experts_forward_compiles_with_backward(device, family, autocast):
     """fullgraph, forward and backward (gpt-oss: grouped_mm and its own gate; Mixtral: the SwiGLU experts' one
-    autograd node); aot_eager runs the same kernels, so bitwise as eager."""
+    autograd node), in bf16 or under torch.autocast with float32 weights and inputs; aot_eager runs the same
+    kernels, so bitwise as eager."""
     torch._dynamo.reset()
     experts = tiny_transformers_model(family, device).model.layers[0].mlp.experts
+    dtype = torch.float32 if autocast else torch.bfloat16
+    experts.to(dtype)
 
     def step(fn, x, ids, weights):
         experts.zero_grad()
         x = x.detach().requires_grad_()
-        out = fn(experts, x, ids, weights)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = fn(experts, x, ids, weights)
         out.float().square().mean().backward()
         return [out.detach(), x.grad] + [p.grad for p in experts.parameters()]
 
-    args = (torch.randn(10, 128, device=device).bfloat16(), torch.randint(0, 8, (10, 2), device=device),
+    args = (torch.randn(10, 128, device=device).to(dtype), torch.randint(0, 8, (10, 2), device=device),
             torch.rand(10, 2, device=device))
     eager = step(cake_ops_nn.transformers_experts_forward, *args)
     compiled = step(torch.compile(cake_ops_nn.transformers_experts_forward, fullgraph=True, backend="aot_eager"), *args)

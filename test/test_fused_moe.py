@@ -616,7 +616,8 @@ def test_transformers_experts_under_autocast(device, family, weights):
     """A training step under torch.autocast with float32 hidden states (a LayerNorm's output) and float32 (master)
     or bf16 weights: the experts run in bf16 as the same step on bf16 casts does, gradients in each tensor's
     dtype: bit for bit that step (its output rounded to bf16: autocast's stays float32), Mixtral's SwiGLU experts'
-    node and gpt-oss's grouped_mm path with its biases (cast, as F.linear's are) and own gate."""
+    node and gpt-oss's grouped_mm path with its biases (cast, as F.linear's are) and own gate. The SwiGLU node's
+    float32 weights get wgrad's float32 output: that step's gradient before its bf16 rounding."""
     experts = tiny_transformers_model(family, device).model.layers[0].mlp.experts.to(getattr(torch, weights))
     x = torch.randn(13, 128, device=device)
     ids, scales = torch.randint(0, 8, (13, 2), device=device), torch.rand(13, 2, device=device)
@@ -636,7 +637,11 @@ def test_transformers_experts_under_autocast(device, family, weights):
         p.dtype for p in experts.parameters()]
     for name, g, w in zip(["out", "hidden states", "routing weights"] + [n for n, _ in experts.named_parameters()],
                           got, want):
-        assert torch.equal(g.to(w.dtype), w), name
+        if family == "mixtral" and name.endswith("_proj") and weights == "float32":
+            assert torch.equal(g.bfloat16(), w) if device == "cpu" else rel_err(g, w) < 1e-2, name
+            assert not torch.equal(g, g.bfloat16().float()), name  # not a bf16 gradient cast up
+        else:
+            assert torch.equal(g.to(w.dtype), w), name
     if family == "mixtral":  # inference: fused_moe_bf16 on the casts
         with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), RecordOps() as record:
             out = cake_ops_nn.transformers_experts_forward(experts, x, ids, scales)

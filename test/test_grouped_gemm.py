@@ -404,7 +404,8 @@ def cast_run(fn, tensors, dtype, grad):
 @pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad", "cake_grouped_mm"])
 def test_grouped_gemm_ops_under_autocast_compute_in_its_dtype(device, op):
     """float32 operands inside torch.autocast: the bf16 computation on their casts, bit for bit, and float32
-    gradients that are the bf16 ones (the casts sit above autograd, or in cake_grouped_mm's forward)."""
+    gradients that are the bf16 ones (the casts sit above autograd, or in cake_grouped_mm's forward), but for
+    cake_grouped_mm's float32 weight, whose gradient is wgrad's float32 output (no bf16 rounding)."""
     sizes = [0, 1, 130, 7, 0, 64]
     offs, rows, e = make_offs(sizes, device), sum(sizes) + 3, len(sizes)
     a = rand(rows, 48, dtype=torch.float32, device=device).requires_grad_()
@@ -420,6 +421,8 @@ def test_grouped_gemm_ops_under_autocast_compute_in_its_dtype(device, op):
     want = cast_run(fns[op], (a, b), torch.bfloat16, grad)
     assert got[0].dtype == (torch.float32 if op == "wgrad" else torch.bfloat16)
     assert torch.equal(got[0], want[0].to(got[0].dtype))
+    if op == "cake_grouped_mm":
+        want[2] = torch.ops.cake.grouped_gemm_wgrad(grad, a.detach().bfloat16(), offs, e, torch.float32)
     for g, w in zip(got[1:], want[1:]):
         assert g.dtype == torch.float32 and torch.equal(g, w.float())
 

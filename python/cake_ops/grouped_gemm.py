@@ -119,6 +119,12 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _weight_grad_dtype(w: torch.Tensor) -> Optional[torch.dtype]:
+    """float32 for a float32 weight (autocast runs its GEMMs in bf16): wgrad then writes its gradient in float32,
+    unrounded and with no bf16 -> float32 cast pass after it; None (the GEMM's dtype) otherwise."""
+    return torch.float32 if w.dtype == torch.float32 else None
+
+
 def _autocast(t: torch.Tensor) -> torch.Tensor:
     """t as cake's GEMM ops compute it (:func:`_compute_dtype`): a cast inside torch.autocast, else t itself.
     For autograd.Functions, whose backward runs outside the region: the casts are made, and saved, in forward."""
@@ -147,13 +153,16 @@ def _fwd(x, w, offs):
                        lambda: (w.shape[0], x.shape[0], w.shape[1], w.shape[2]))
 
 
-def _fwd_grads(grad, x, w, offs, need_x, need_w):
+def _fwd_grads(grad, x, w, offs, need_x, need_w, w_grad_dtype=None):
     """The gradients (x's, w's; None where not needed) of ``grouped_gemm_fwd(x, w, offs)`` given the output's
-    contiguous ``grad``: the dgrad and (deterministic) wgrad kernels, tuned inside cake_ops.autotune()."""
+    contiguous ``grad``: the dgrad and (deterministic) wgrad kernels, tuned inside cake_ops.autotune(); w's in
+    ``w_grad_dtype`` (w's dtype or float32; None: w's)."""
     e, n, k = w.shape
+    w_grad_dtype = w_grad_dtype or w.dtype
     dims = lambda: (e, x.shape[0], n, k)  # noqa: E731
     dx = _tuned_call("dgrad", torch.ops.cake.grouped_gemm_dgrad, (grad, w, offs), dims) if need_x else None
-    dw = (_tuned_call(_wgrad_family(w.dtype), torch.ops.cake.grouped_gemm_wgrad, (grad, x, offs, e, w.dtype), dims)
+    dw = (_tuned_call(_wgrad_family(w_grad_dtype), torch.ops.cake.grouped_gemm_wgrad, (grad, x, offs, e, w_grad_dtype),
+                      dims)
           if need_w else None)
     return dx, dw
 
@@ -180,7 +189,8 @@ def _fwd_setup_context(ctx, inputs, output):
 
 def _fwd_backward(ctx, grad):
     x, w, offs = ctx.saved_tensors
-    return (*_fwd_grads(grad.contiguous(), x, w, offs, ctx.needs_input_grad[0], ctx.needs_input_grad[1]), None)
+    return (*_fwd_grads(grad.contiguous(), x, w, offs, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                        getattr(ctx, "w_grad_dtype", None)), None)
 
 
 def _dgrad_backward(ctx, grad):
@@ -223,6 +233,7 @@ class CakeGroupedMm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offs, deterministic=True):
+        ctx.w_grad_dtype = _weight_grad_dtype(w)
         x, w = _autocast(x), _autocast(w)
         _fwd_setup_context(ctx, (x, w, offs), None)
         return _fwd(x, w, offs)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .fused_moe import fused_moe_bf16, interleave_up_gate_sm90
-from .grouped_gemm import _autocast, _call, _compute_dtype, _fwd, _fwd_grads, grouped_mm
+from .grouped_gemm import _autocast, _call, _compute_dtype, _fwd, _fwd_grads, _weight_grad_dtype, grouped_mm
 
 __all__ = ["FusedMoE", "register_transformers_experts", "replace_sparse_moe_blocks", "transformers_experts_forward"]
 
@@ -282,6 +282,7 @@ class _SwigluExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, m_indptr):
+        ctx.w_grad_dtypes = _weight_grad_dtype(gate_up_proj), _weight_grad_dtype(down_proj)
         x, gate_up_proj, down_proj = _autocast(x), _autocast(gate_up_proj), _autocast(down_proj)
         gate_up = _fwd(x, gate_up_proj, m_indptr)
         h = _call(torch.ops.cake.swiglu, (gate_up,))
@@ -294,11 +295,14 @@ class _SwigluExperts(torch.autograd.Function):
         x, gate_up, h, gate_up_proj, down_proj, m_indptr = ctx.saved_tensors
         need_x, need_gate_up, need_down = ctx.needs_input_grad[:3]
         # h's gradient only where x's or gate_up_proj's is wanted (a run may train down_proj alone)
-        d_h, d_down = _fwd_grads(grad.contiguous(), h, down_proj, m_indptr, need_x or need_gate_up, need_down)
+        gate_up_grad_dtype, down_grad_dtype = ctx.w_grad_dtypes
+        d_h, d_down = _fwd_grads(grad.contiguous(), h, down_proj, m_indptr, need_x or need_gate_up, need_down,
+                                 down_grad_dtype)
         if d_h is None:
             return None, None, d_down, None
         d_gate_up = _call(torch.ops.cake.swiglu_backward, (d_h, gate_up))
-        d_x, d_gate_up_proj = _fwd_grads(d_gate_up, x, gate_up_proj, m_indptr, need_x, need_gate_up)
+        d_x, d_gate_up_proj = _fwd_grads(d_gate_up, x, gate_up_proj, m_indptr, need_x, need_gate_up,
+                                         gate_up_grad_dtype)
         return d_x, d_gate_up_proj, d_down, None
 
 

@@ -8,6 +8,10 @@ and differentiates the hidden states and the routing weights (a router's softmax
 
     python benchmarks/bench_transformers_experts.py [--shapes qwen3_30b,mixtral_8x7b] [--tokens 1024,4096]
 
+--autocast: float32 weights and hidden states, every call inside torch.autocast(bfloat16): a Trainer's
+``bf16=True`` on a float32 model (master weights), where cake casts as torch.mm does and transformers' grouped_mm
+casts its input to the weights' dtype (so runs its products in float32).
+
 --profile also prints, per row, where each implementation's time goes: its kernels' GPU time per call
 (torch.profiler over --reps calls, eager), largest first.
 """
@@ -28,14 +32,14 @@ def whole_layers(models):
     return {name: m[:4] for name, m in models.items() if m[4] == m[0]}
 
 
-def experts_module(e, hidden, inter, device):
+def experts_module(e, hidden, inter, device, dtype=torch.bfloat16):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
     experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=e))
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(std=0.02)
-    return experts.to(device, torch.bfloat16)
+    return experts.to(device, dtype)
 
 
 def kernel_profile(fn, reps):
@@ -69,6 +73,8 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="print each implementation's kernels (GPU only)")
+    p.add_argument("--autocast", action="store_true",
+                   help="float32 weights and hidden states, the calls inside torch.autocast(bfloat16)")
     args = p.parse_args()
     warnings.simplefilter("ignore")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,25 +86,30 @@ def main():
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     impls = {"cake": ALL_EXPERTS_FUNCTIONS["cake"], "grouped_mm": ALL_EXPERTS_FUNCTIONS["grouped_mm"]}
     timer = Timer(device, args.reps, args.warmup)
-    print(f"# {CARD or 'cpu'}: ms per call, median of {args.reps} in rotation; ratio = grouped_mm / cake")
+    dtype = torch.float32 if args.autocast else torch.bfloat16
+    amp = lambda: torch.autocast(device, dtype=torch.bfloat16, enabled=args.autocast)  # noqa: E731
+    setup = "float32 weights and hidden states under torch.autocast(bfloat16)" if args.autocast else "bfloat16"
+    print(f"# {CARD or 'cpu'}, {setup}: ms per call, median of {args.reps} in rotation; ratio = grouped_mm / cake")
     print(f"{'shape':13} {'T':>6} {'pass':8} {'cake':>8} {'grouped_mm':>10} {'ratio':>6}")
     for name in names:
         e, k, hidden, inter = shapes[name]
-        experts = experts_module(e, hidden, inter, device)
+        experts = experts_module(e, hidden, inter, device, dtype)
         for t in tokens:
             seed_case(name, t)
-            x = torch.randn(t, hidden, device=device).bfloat16()
+            x = torch.randn(t, hidden, device=device).to(dtype)
             ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(t)]).long()
             weights = torch.rand(t, k, device=device)
 
             def forward(fn):
-                with torch.no_grad():
+                with torch.no_grad(), amp():
                     fn(experts, x, ids, weights)
 
             def train(fn):
                 experts.zero_grad(set_to_none=True)
                 xg, wg = x.detach().requires_grad_(), weights.detach().requires_grad_()
-                fn(experts, xg, ids, wg).float().sum().backward()
+                with amp():
+                    out = fn(experts, xg, ids, wg)
+                out.float().sum().backward()
 
             for label, run in (("fwd", forward), ("fwd+bwd", train)):
                 ms = timer.many({n: (lambda fn=fn: run(fn), None) for n, fn in impls.items()})

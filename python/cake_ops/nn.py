@@ -253,10 +253,12 @@ def _plain_swiglu(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool
             and gate_up.is_contiguous() and down.is_contiguous())
 
 
-def _runs_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> bool:
+def _runs_fused(plain: bool, experts: torch.nn.Module, hidden_states: torch.Tensor,
+                top_k_weights: torch.Tensor) -> bool:
     """Whether an experts module's forward can be one fused_moe_bf16 call on its own weights: nothing to
-    differentiate, plain SwiGLU experts in bf16 / fp16, and the fused kernels' shape rules (H % 64, I % 32)."""
-    if not _plain_swiglu(experts, hidden_states):
+    differentiate, plain SwiGLU experts (``plain``: :func:`_plain_swiglu`) in bf16 / fp16, and the fused kernels'
+    shape rules (H % 64, I % 32)."""
+    if not plain:
         return False
     tensors = (hidden_states, top_k_weights, experts.gate_up_proj, experts.down_proj)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -265,10 +267,10 @@ def _runs_fused(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_wei
     return hidden_states.dtype in (torch.bfloat16, torch.float16) and hidden % 64 == 0 and inter % 32 == 0
 
 
-def _gates_by_swiglu(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
-    """Whether :class:`_SwigluExperts` takes a module: plain SwiGLU experts where cake::swiglu runs (any dtype on
-    the CPU; 16-bit with I % 8 on CUDA)."""
-    return _plain_swiglu(experts, hidden_states) and (
+def _gates_by_swiglu(plain: bool, experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether :class:`_SwigluExperts` takes a module: plain SwiGLU experts (``plain``: :func:`_plain_swiglu`) where
+    cake::swiglu runs (any dtype on the CPU; 16-bit with I % 8 on CUDA)."""
+    return plain and (
         not hidden_states.is_cuda
         or (hidden_states.dtype in (torch.bfloat16, torch.float16) and experts.down_proj.shape[-1] % 8 == 0))
 
@@ -350,7 +352,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     num_experts = experts.num_experts
     out_dtype = hidden_states.dtype
     hidden_states = _autocast(hidden_states)  # inside torch.autocast: the GEMMs' dtype, cast before the gather
-    if _runs_fused(experts, hidden_states, top_k_weights):
+    plain = _plain_swiglu(experts, hidden_states)  # once: both paths' predicates start from it
+    if _runs_fused(plain, experts, hidden_states, top_k_weights):
         return fused_moe_bf16(hidden_states.contiguous(), top_k_index.to(torch.int32).contiguous(),
                               top_k_weights.float().contiguous(), _autocast(experts.gate_up_proj),
                               _autocast(experts.down_proj), num_experts, top_k, use_fused_finalize=False,
@@ -372,7 +375,7 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
         # the bias in the GEMM's dtype under torch.autocast, as F.linear casts its bias
         return out + _autocast(getattr(experts, name + "_bias"))[row_expert] * row_kept if bias else out
 
-    if _gates_by_swiglu(experts, hidden_states):
+    if _gates_by_swiglu(plain, experts, hidden_states):
         y = _SwigluExperts.apply(x.contiguous(), experts.gate_up_proj, experts.down_proj, m_indptr)
     else:
         h = (experts._apply_gate(project(x, "gate_up_proj")) if getattr(experts, "has_gate", True)

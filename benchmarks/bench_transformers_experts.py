@@ -12,6 +12,9 @@ and differentiates the hidden states and the routing weights (a router's softmax
 ``bf16=True`` on a float32 model (master weights), where cake casts as torch.mm does and transformers' grouped_mm
 casts its input to the weights' dtype (so runs its products in float32).
 
+--gate clamped: the experts of DeepSeek-V4 (``DeepseekV4Experts``: the clamped SwiGLU silu(min(gate, L)) *
+clamp(up, -L, L), L = 10 as its config's swiglu_limit) at each shape's sizes, in place of Qwen3-MoE's plain SwiGLU.
+
 --profile also prints, per row, where each implementation's time goes: its kernels' GPU time per call
 (torch.profiler over --reps calls, eager), largest first.
 """
@@ -32,10 +35,16 @@ def whole_layers(models):
     return {name: m[:4] for name, m in models.items() if m[4] == m[0]}
 
 
-def experts_module(e, hidden, inter, device, dtype=torch.bfloat16):
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=e))
+def experts_module(e, hidden, inter, device, dtype=torch.bfloat16, gate="silu"):
+    if gate == "clamped":
+        from transformers import DeepseekV4Config
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+        experts = DeepseekV4Experts(DeepseekV4Config(hidden_size=hidden, intermediate_size=inter, num_local_experts=e,
+                                                     swiglu_limit=10.0))
+    else:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+        experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=e))
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(std=0.02)
@@ -72,6 +81,8 @@ def main():
     p.add_argument("--tokens", default="")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--gate", choices=["silu", "clamped"], default="silu",
+                   help="the experts' gate: Qwen3-MoE's SwiGLU, or DeepSeek-V4's clamped SwiGLU")
     p.add_argument("--profile", action="store_true", help="print each implementation's kernels (GPU only)")
     p.add_argument("--autocast", action="store_true",
                    help="float32 weights and hidden states, the calls inside torch.autocast(bfloat16)")
@@ -89,11 +100,12 @@ def main():
     dtype = torch.float32 if args.autocast else torch.bfloat16
     amp = lambda: torch.autocast(device, dtype=torch.bfloat16, enabled=args.autocast)  # noqa: E731
     setup = "float32 weights and hidden states under torch.autocast(bfloat16)" if args.autocast else "bfloat16"
+    setup += ", DeepSeek-V4's clamped SwiGLU experts (L = 10)" if args.gate == "clamped" else ""
     print(f"# {CARD or 'cpu'}, {setup}: ms per call, median of {args.reps} in rotation; ratio = grouped_mm / cake")
     print(f"{'shape':13} {'T':>6} {'pass':8} {'cake':>8} {'grouped_mm':>10} {'ratio':>6}")
     for name in names:
         e, k, hidden, inter = shapes[name]
-        experts = experts_module(e, hidden, inter, device, dtype)
+        experts = experts_module(e, hidden, inter, device, dtype, args.gate)
         for t in tokens:
             seed_case(name, t)
             x = torch.randn(t, hidden, device=device).to(dtype)

@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <limits>
 #include <vector>
 
 #include "grouped_gemm_checks.h"
@@ -73,6 +74,13 @@ int64_t check_swiglu(const at::Tensor& gate_up, const char* op) {
   TORCH_CHECK(at::isFloatingType(gate_up.scalar_type()) && gate_up.element_size() >= 2, op,
               ": gate_up must be bfloat16, float16, float32 or float64, got ", gate_up.scalar_type());
   return gate_up.size(1) / 2;
+}
+
+float check_swiglu_limit(const std::optional<double>& limit, const char* op) {
+  if (!limit.has_value()) return std::numeric_limits<float>::infinity();
+  TORCH_CHECK(*limit > 0, op, ": limit must be positive (the clamp of silu(min(gate, limit)) * clamp(up, -limit, "
+              "limit)), got ", *limit);
+  return static_cast<float>(*limit);
 }
 
 void check_swiglu_grad(const at::Tensor& grad_out, const at::Tensor& gate_up, int64_t inter, const char* op) {

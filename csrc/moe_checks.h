@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "grouped_gemm_checks.h"
 
@@ -59,6 +60,8 @@ MoeGemm1Shape check_moe_gemm1(const at::Tensor& x, const at::Tensor& w1,
 // swiglu / swiglu_backward: gate_up a 2-D float tensor [rows, 2I]; returns I. grad_out [rows, I] of its dtype
 // and device.
 int64_t check_swiglu(const at::Tensor& gate_up, const char* op);
+// swiglu's limit: positive (inf: no clamp), as a float32 (the kernels' arithmetic); none gives inf.
+float check_swiglu_limit(const std::optional<double>& limit, const char* op);
 void check_swiglu_grad(const at::Tensor& grad_out, const at::Tensor& gate_up, int64_t inter, const char* op);
 
 struct MoeFinalizeShape {

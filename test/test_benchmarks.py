@@ -184,12 +184,13 @@ def test_sweep_order_bias_names_tactics_short_or_whole():
         full_name("dgrad", "fixed_ping_128x128x64_c1x2")
 
 
-@pytest.mark.parametrize("setup", [[], ["--autocast"]], ids=["bf16", "autocast"])
+@pytest.mark.parametrize("setup", [[], ["--autocast"], ["--gate", "clamped"]], ids=["bf16", "autocast", "clamped"])
 def test_transformers_experts_bench_times_both_implementations(setup):
     # The tiny layer on whichever device is there (the default shapes on a GPU are whole models).
     out = run_bench("bench_transformers_experts.py", "--shapes", "tiny", "--tokens", "64", "--reps", "2", "--warmup", "1",
                     *setup)
-    assert ("torch.autocast" in out.splitlines()[0]) == bool(setup)
+    assert ("torch.autocast" in out.splitlines()[0]) == ("--autocast" in setup)
+    assert ("clamped SwiGLU" in out.splitlines()[0]) == ("clamped" in setup)
     rows = [line.split() for line in out.splitlines() if line.startswith("tiny")]
     assert [r[2] for r in rows] == ["fwd", "fwd+bwd"]
     for r in rows:

@@ -794,7 +794,9 @@ def test_moe_ops_opcheck():
     scales = scales.detach()
     gate_up = torch.randn(10, 64).bfloat16()
     torch.library.opcheck(torch.ops.cake.swiglu, (gate_up.requires_grad_(),))
+    torch.library.opcheck(torch.ops.cake.swiglu, (gate_up, 0.5))
     torch.library.opcheck(torch.ops.cake.swiglu_backward, (torch.randn(10, 32).bfloat16(), gate_up.detach()))
+    torch.library.opcheck(torch.ops.cake.swiglu_backward, (torch.randn(10, 32).bfloat16(), gate_up.detach(), 0.5))
     torch.library.opcheck(torch.ops.cake.moe_finalize_out, (rows, e2p, scales, torch.empty(12, 64).bfloat16()))
     grad = torch.randn(12, 64).bfloat16()
     torch.library.opcheck(torch.ops.cake.moe_finalize_backward, (grad, e2p, scales, 48, rows))
@@ -882,6 +884,14 @@ class TestSwigluErrors(OpErrorCase):
             args = [t.to("meta") if meta else t for t in (gate_up[:, :16].half(), gate_up)]
             with self.assertRaisesRegex(RuntimeError, r"grad_out must have gate_up's dtype and device \(torch.bfloat16|BFloat16"):
                 backward(*args)
+            limit_error = (r"limit must be positive \(the clamp of silu\(min\(gate, limit\)\) \* clamp\(up, -limit, "
+                           r"limit\)\), got (-2|0|nan)")
+            for limit in (-2.0, 0.0, float("nan")):
+                gu = gate_up.to("meta") if meta else gate_up
+                with self.assertRaisesRegex(RuntimeError, "cake::swiglu: " + limit_error):
+                    self.op(gu, limit)
+                with self.assertRaisesRegex(RuntimeError, "cake::swiglu_backward: " + limit_error):
+                    backward(gu[:, :16], gu, limit)
 
     @cuda_only
     def test_cuda_errors(self):
@@ -891,31 +901,38 @@ class TestSwigluErrors(OpErrorCase):
             torch.ops.cake.swiglu_backward(torch.randn(4, 12, device="cuda").half(), torch.randn(4, 24, device="cuda").half())
 
 
-def swiglu_float64(gate_up):
+def swiglu_float64(gate_up, limit=None):
     gate, up = gate_up.double().chunk(2, dim=-1)
+    if limit is not None:  # DeepSeek-V4's clamped SwiGLU, with torch.clamp's gradients
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return torch.nn.functional.silu(gate) * up
 
 
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), ("cpu", torch.float32)] + [
     pytest.param("cuda", dtype, marks=cuda_only) for dtype in (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("rows,inter", [(37, 64), (1, 8), (0, 16), (300, 200)])
-def test_swiglu_matches_float64(device, dtype, rows, inter):
+@pytest.mark.parametrize("limit", [None, 2.5, 7.0], ids=["plain", "clamped_tight", "clamped"])
+def test_swiglu_matches_float64(device, dtype, rows, inter, limit):
     """cake::swiglu and its gradient (cake::swiglu_backward through the autograd formula) against float64 autograd
-    of silu(gate) * up: 16-bit within one rounding of the result (float32 math, rounded once); gates of +-90 included
-    (exp overflows: silu and its gradients reach their limits, no NaN). A column slice (not contiguous) works."""
+    of silu(gate) * up, or with a limit of the clamped silu(min(gate, L)) * clamp(up, -L, L): 16-bit within one
+    rounding of the result (float32 math, rounded once); gates of +-90 included (exp overflows: silu and its
+    gradients reach their limits, no NaN), and values at +-L exactly (clamp's gradient passes there). A column
+    slice (not contiguous) works."""
     g = torch.Generator().manual_seed(rows * 1000 + inter)
     wide = torch.randn(rows, 2 * inter + 8, generator=g) * 3
     wide[::7, :inter] = 90.0 * torch.sign(wide[::7, :inter])
+    if limit is not None:
+        wide[1::5, 4::3] = limit * torch.sign(wide[1::5, 4::3])
     gate_up_cpu = wide.to(dtype)
     grad = torch.randn(rows, inter, generator=g).to(dtype)
     gate_up = gate_up_cpu.to(device)[:, 4:-4] if rows % 2 else gate_up_cpu[:, 4:-4].contiguous().to(device)
     leaf = gate_up.detach().requires_grad_()
-    out = torch.ops.cake.swiglu(leaf)
+    out = torch.ops.cake.swiglu(leaf, limit)
     (d_gate_up,) = torch.autograd.grad(out, leaf, grad.to(device))
     assert out.dtype == dtype and out.shape == (rows, inter) and d_gate_up.shape == gate_up.shape
 
     ref_in = gate_up_cpu[:, 4:-4].double().requires_grad_()
-    want = swiglu_float64(ref_in)
+    want = swiglu_float64(ref_in, limit)
     (want_grad,) = torch.autograd.grad(want, ref_in, grad.double())
     eps = torch.finfo(dtype).eps
     for got, ref in ((out, want), (d_gate_up, want_grad)):

@@ -309,23 +309,35 @@ at::ScalarType swiglu_compute_type(const at::Tensor& t) {
 }
 }  // namespace
 
-at::Tensor swiglu(const at::Tensor& gate_up) {
+at::Tensor swiglu(const at::Tensor& gate_up, std::optional<double> limit) {
   const int64_t inter = check_swiglu(gate_up, "cake::swiglu");
+  check_swiglu_limit(limit, "cake::swiglu");
   const auto ct = swiglu_compute_type(gate_up);
-  return (at::silu(gate_up.narrow(1, 0, inter).to(ct)) * gate_up.narrow(1, inter, inter).to(ct))
-      .to(gate_up.scalar_type());
+  auto gate = gate_up.narrow(1, 0, inter).to(ct), up = gate_up.narrow(1, inter, inter).to(ct);
+  if (limit.has_value()) {  // in the compute type: float32 for 16-bit, as the CUDA kernels
+    gate = at::clamp_max(gate, *limit);
+    up = at::clamp(up, -*limit, *limit);
+  }
+  return (at::silu(gate) * up).to(gate_up.scalar_type());
 }
 
-at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up) {
+at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up, std::optional<double> limit) {
   const char* op = "cake::swiglu_backward";
   const int64_t inter = check_swiglu(gate_up, op);
   check_swiglu_grad(grad_out, gate_up, inter, op);
+  check_swiglu_limit(limit, op);
   const auto ct = swiglu_compute_type(gate_up);
-  const auto gate = gate_up.narrow(1, 0, inter).to(ct), up = gate_up.narrow(1, inter, inter).to(ct);
-  const auto grad = grad_out.to(ct);
+  auto gate = gate_up.narrow(1, 0, inter).to(ct), up = gate_up.narrow(1, inter, inter).to(ct);
+  auto grad_gate = grad_out.to(ct), grad_up = grad_gate;
+  if (limit.has_value()) {  // clamp's gradient: through where the value is within the bounds
+    grad_gate = grad_gate * (gate <= *limit);
+    grad_up = grad_up * ((up >= -*limit) & (up <= *limit));
+    gate = at::clamp_max(gate, *limit);
+    up = at::clamp(up, -*limit, *limit);
+  }
   const auto sigmoid = at::sigmoid(gate), silu = gate * sigmoid;
   // silu'(g) = sigmoid(g) + silu(g) * (1 - sigmoid(g))
-  return at::cat({grad * up * (sigmoid + silu * (1 - sigmoid)), grad * silu}, 1).to(gate_up.scalar_type());
+  return at::cat({grad_gate * up * (sigmoid + silu * (1 - sigmoid)), grad_up * silu}, 1).to(gate_up.scalar_type());
 }
 
 void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,

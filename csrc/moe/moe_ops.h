@@ -36,8 +36,8 @@ std::tuple<at::Tensor, at::Tensor> moe_finalize_backward(const at::Tensor& grad_
                                                          const at::Tensor& expanded_to_permuted,
                                                          const at::Tensor& token_final_scales, int64_t num_rows,
                                                          const c10::optional<at::Tensor>& permuted_rows);
-at::Tensor swiglu(const at::Tensor& gate_up);
-at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up);
+at::Tensor swiglu(const at::Tensor& gate_up, std::optional<double> limit);
+at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up, std::optional<double> limit);
 
 void moe_finalize_out(const at::Tensor& permuted_rows, const at::Tensor& expanded_to_permuted,
                       const at::Tensor& token_final_scales, at::Tensor out, bool enable_pdl);

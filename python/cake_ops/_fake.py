@@ -299,15 +299,23 @@ def _check_swiglu(gate_up, op):
     return gate_up.shape[1] // 2
 
 
+def _check_swiglu_limit(limit, op):
+    _check(limit is None or limit > 0, f"{op}: limit must be positive (the clamp of silu(min(gate, limit)) * "
+           f"clamp(up, -limit, limit)), got {limit}")
+
+
 @register_fake("cake::swiglu")
-def _swiglu_fake(gate_up):
-    return gate_up.new_empty((gate_up.shape[0], _check_swiglu(gate_up, "cake::swiglu")))
+def _swiglu_fake(gate_up, limit=None):
+    inter = _check_swiglu(gate_up, "cake::swiglu")
+    _check_swiglu_limit(limit, "cake::swiglu")
+    return gate_up.new_empty((gate_up.shape[0], inter))
 
 
 @register_fake("cake::swiglu_backward")
-def _swiglu_backward_fake(grad_out, gate_up):
+def _swiglu_backward_fake(grad_out, gate_up, limit=None):
     op = "cake::swiglu_backward"
     inter = _check_swiglu(gate_up, op)
+    _check_swiglu_limit(limit, op)
     _check(grad_out.dim() == 2 and grad_out.shape[0] == gate_up.shape[0] and grad_out.shape[1] == inter,
            f"{op}: grad_out must be [rows, I] = [{gate_up.shape[0]}, {inter}], got shape {list(grad_out.shape)}")
     _check(grad_out.dtype == gate_up.dtype and grad_out.device == gate_up.device,

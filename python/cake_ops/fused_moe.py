@@ -95,11 +95,12 @@ torch.library.register_autograd("cake::moe_finalize", _finalize_backward, setup_
 
 def _swiglu_setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
+    ctx.limit = inputs[1] if len(inputs) > 1 else None
 
 
 def _swiglu_backward(ctx, grad):
     (gate_up,) = ctx.saved_tensors
-    return torch.ops.cake.swiglu_backward(grad.contiguous(), gate_up)
+    return torch.ops.cake.swiglu_backward(grad.contiguous(), gate_up, ctx.limit), None
 
 
 torch.library.register_autograd("cake::swiglu", _swiglu_backward, setup_context=_swiglu_setup_context)

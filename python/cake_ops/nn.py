@@ -17,6 +17,7 @@ inference, plain SwiGLU experts run as one ``fused_moe_bf16`` call on their ``[g
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -233,32 +234,52 @@ def replace_sparse_moe_blocks(model: torch.nn.Module, **kwargs) -> int:
 # Hugging Face transformers' experts interface
 
 
-def _plain_swiglu(experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
-    """Whether an experts module is transformers' plain SwiGLU experts (gate-first ``gate_up_proj [E, 2I, H]``,
-    ``down_proj [E, H, I]``, both contiguous, no bias, the default gate on silu) in hidden_states' dtype (inside
-    torch.autocast: once cast, as the GEMMs see them)."""
+# Experts classes of transformers whose own gate is the clamped SwiGLU silu(min(gate, L)) * clamp(up, -L, L)
+# (cake::swiglu's limit): the attribute holding L, and whether the gate calls the module's act_fn (which must then
+# be silu) rather than F.silu itself. By class name: torch.compile traces that, not a function's __qualname__.
+_CLAMPED_SWIGLU_GATES = {
+    "DeepseekV4Experts": ("limit", True),
+    "Glm5NextTextExperts": ("swiglu_limit", False),
+    "HYV4Experts": ("swiglu_limit", False),
+}
+
+
+def _swiglu_limit(experts: torch.nn.Module, hidden_states: torch.Tensor) -> Optional[float]:
+    """The SwiGLU that :class:`_SwigluExperts` computes for an experts module, or None where it is not one:
+    ``math.inf`` for transformers' plain SwiGLU experts (the default gate on silu), the limit L for the clamped
+    SwiGLU gates of ``_CLAMPED_SWIGLU_GATES``. Either with gate-first ``gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``, both contiguous, no bias, in hidden_states' dtype (inside torch.autocast: once cast, as the GEMMs
+    see them)."""
     from transformers.activations import SiLUActivation
     from transformers.integrations.moe import _default_apply_gate
 
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
-        return False
-    plain = (getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
-             and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True)
-             and getattr(type(experts), "_apply_gate", None) is _default_apply_gate
-             and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU)))
-    return (plain and gate_up.dim() == 3 and gate_up.shape[1] % 2 == 0
-            and list(down.shape) == [gate_up.shape[0], hidden_states.shape[-1], gate_up.shape[1] // 2]
-            and _compute_dtype(gate_up) == hidden_states.dtype and _compute_dtype(down) == hidden_states.dtype
-            and gate_up.is_contiguous() and down.is_contiguous())
+        return None
+    act = getattr(experts, "act_fn", None)
+    silu = isinstance(act, (SiLUActivation, torch.nn.SiLU)) or act is F.silu
+    gate = getattr(type(experts), "_apply_gate", None)
+    if gate is _default_apply_gate:
+        limit = math.inf if silu else None
+    else:
+        name, uses_act = _CLAMPED_SWIGLU_GATES.get(type(experts).__name__, (None, False))
+        limit = getattr(experts, name, None) if name and (silu or not uses_act) else None
+        limit = float(limit) if isinstance(limit, (int, float)) and limit > 0 else None
+    layout = (getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
+              and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True))
+    shapes = (gate_up.dim() == 3 and gate_up.shape[1] % 2 == 0
+              and list(down.shape) == [gate_up.shape[0], hidden_states.shape[-1], gate_up.shape[1] // 2]
+              and _compute_dtype(gate_up) == hidden_states.dtype and _compute_dtype(down) == hidden_states.dtype
+              and gate_up.is_contiguous() and down.is_contiguous())
+    return limit if layout and shapes else None
 
 
-def _runs_fused(plain: bool, experts: torch.nn.Module, hidden_states: torch.Tensor,
+def _runs_fused(limit: Optional[float], experts: torch.nn.Module, hidden_states: torch.Tensor,
                 top_k_weights: torch.Tensor) -> bool:
     """Whether an experts module's forward can be one fused_moe_bf16 call on its own weights: nothing to
-    differentiate, plain SwiGLU experts (``plain``: :func:`_plain_swiglu`) in bf16 / fp16, and the fused kernels'
-    shape rules (H % 64, I % 32)."""
-    if not plain:
+    differentiate, plain SwiGLU experts (``limit``: :func:`_swiglu_limit`, inf) in bf16 / fp16, and the fused
+    kernels' shape rules (H % 64, I % 32)."""
+    if limit != math.inf:
         return False
     tensors = (hidden_states, top_k_weights, experts.gate_up_proj, experts.down_proj)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -267,27 +288,29 @@ def _runs_fused(plain: bool, experts: torch.nn.Module, hidden_states: torch.Tens
     return hidden_states.dtype in (torch.bfloat16, torch.float16) and hidden % 64 == 0 and inter % 32 == 0
 
 
-def _gates_by_swiglu(plain: bool, experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
-    """Whether :class:`_SwigluExperts` takes a module: plain SwiGLU experts (``plain``: :func:`_plain_swiglu`) where
-    cake::swiglu runs (any dtype on the CPU; 16-bit with I % 8 on CUDA)."""
-    return plain and (
+def _gates_by_swiglu(limit: Optional[float], experts: torch.nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether :class:`_SwigluExperts` takes a module: SwiGLU experts (``limit``: :func:`_swiglu_limit`, not None)
+    where cake::swiglu runs (any dtype on the CPU; 16-bit with I % 8 on CUDA)."""
+    return limit is not None and (
         not hidden_states.is_cuda
         or (hidden_states.dtype in (torch.bfloat16, torch.float16) and experts.down_proj.shape[-1] % 8 == 0))
 
 
 class _SwigluExperts(torch.autograd.Function):
-    """Plain SwiGLU experts on expert-sorted rows, ``down[e] @ swiglu(gate_up[e] @ x)`` per group, as one autograd
-    node: forward two grouped GEMMs and cake::swiglu; backward two dgrad, two wgrad (deterministic) and
-    swiglu_backward. Where grouped_mm and the module's own gate (chunk, silu, mul) record five nodes and run six
-    elementwise passes; at Qwen3-30B sizes a training step's host time is close to its GPU time, so the nodes'
-    host time counts as much as the gate's kernels (NOTES, session 58)."""
+    """SwiGLU experts on expert-sorted rows, ``down[e] @ swiglu(gate_up[e] @ x)`` per group, as one autograd
+    node: forward two grouped GEMMs and cake::swiglu (with ``limit`` < inf its clamped form); backward two dgrad,
+    two wgrad (deterministic) and swiglu_backward. Where grouped_mm and the module's own gate (chunk, silu, mul;
+    two clamps more for the clamped form) record five nodes or more and run six elementwise passes; at Qwen3-30B
+    sizes a training step's host time is close to its GPU time, so the nodes' host time counts as much as the
+    gate's kernels (NOTES, session 58)."""
 
     @staticmethod
-    def forward(ctx, x, gate_up_proj, down_proj, m_indptr):
+    def forward(ctx, x, gate_up_proj, down_proj, m_indptr, limit=math.inf):
         ctx.w_grad_dtypes = _weight_grad_dtype(gate_up_proj), _weight_grad_dtype(down_proj)
+        ctx.limit = None if limit == math.inf else limit
         x, gate_up_proj, down_proj = _autocast(x), _autocast(gate_up_proj), _autocast(down_proj)
         gate_up = _fwd(x, gate_up_proj, m_indptr)
-        h = _call(torch.ops.cake.swiglu, (gate_up,))
+        h = _call(torch.ops.cake.swiglu, (gate_up, ctx.limit))
         ctx.save_for_backward(x, gate_up, h, gate_up_proj, down_proj, m_indptr)
         return _fwd(h, down_proj, m_indptr)
 
@@ -301,11 +324,11 @@ class _SwigluExperts(torch.autograd.Function):
         d_h, d_down = _fwd_grads(grad.contiguous(), h, down_proj, m_indptr, need_x or need_gate_up, need_down,
                                  down_grad_dtype)
         if d_h is None:
-            return None, None, d_down, None
-        d_gate_up = _call(torch.ops.cake.swiglu_backward, (d_h, gate_up))
+            return None, None, d_down, None, None
+        d_gate_up = _call(torch.ops.cake.swiglu_backward, (d_h, gate_up, ctx.limit))
         d_x, d_gate_up_proj = _fwd_grads(d_gate_up, x, gate_up_proj, m_indptr, need_x, need_gate_up,
                                          gate_up_grad_dtype)
-        return d_x, d_gate_up_proj, d_down, None
+        return d_x, d_gate_up_proj, d_down, None, None
 
 
 def _combines_on_cake(rows: torch.Tensor) -> bool:
@@ -341,8 +364,9 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     contribute zero. Differentiable, without atomics: the projection weights' gradients come from
     cake's deterministic wgrad kernel, the hidden states' and the routing weights' from moe_finalize's kernel
     and autograd formula (the biases' from torch's indexed adds, as in transformers' own implementations).
-    Plain SwiGLU experts train through one autograd node (:class:`_SwigluExperts`: the two projections and
-    cake::swiglu, the gate in float32 rounded once). Where nothing needs a gradient, plain SwiGLU experts run
+    SwiGLU experts, plain or with the clamped gate of DeepSeek-V4, GLM-5 and HY-V4 (silu(min(gate, L)) *
+    clamp(up, -L, L)), train and infer through one autograd node (:class:`_SwigluExperts`: the two projections
+    and cake::swiglu, the gate in float32 rounded once). Where nothing needs a gradient, plain SwiGLU experts run
     as one :func:`fused_moe_bf16` call on the ``[gate; up]`` weights as they are (``w1_layout="gate_up"``) with
     its fixed-order float32 combine (``use_fused_finalize=False``: deterministic, as the sum above). Inside
     ``torch.autocast`` (float32 weights, or float32 hidden states next to bfloat16 weights) the projections run
@@ -352,8 +376,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
     num_experts = experts.num_experts
     out_dtype = hidden_states.dtype
     hidden_states = _autocast(hidden_states)  # inside torch.autocast: the GEMMs' dtype, cast before the gather
-    plain = _plain_swiglu(experts, hidden_states)  # once: both paths' predicates start from it
-    if _runs_fused(plain, experts, hidden_states, top_k_weights):
+    limit = _swiglu_limit(experts, hidden_states)  # once: both paths' predicates start from it
+    if _runs_fused(limit, experts, hidden_states, top_k_weights):
         return fused_moe_bf16(hidden_states.contiguous(), top_k_index.to(torch.int32).contiguous(),
                               top_k_weights.float().contiguous(), _autocast(experts.gate_up_proj),
                               _autocast(experts.down_proj), num_experts, top_k, use_fused_finalize=False,
@@ -375,8 +399,8 @@ def transformers_experts_forward(experts: torch.nn.Module, hidden_states: torch.
         # the bias in the GEMM's dtype under torch.autocast, as F.linear casts its bias
         return out + _autocast(getattr(experts, name + "_bias"))[row_expert] * row_kept if bias else out
 
-    if _gates_by_swiglu(plain, experts, hidden_states):
-        y = _SwigluExperts.apply(x.contiguous(), experts.gate_up_proj, experts.down_proj, m_indptr)
+    if _gates_by_swiglu(limit, experts, hidden_states):
+        y = _SwigluExperts.apply(x.contiguous(), experts.gate_up_proj, experts.down_proj, m_indptr, limit)
     else:
         h = (experts._apply_gate(project(x, "gate_up_proj")) if getattr(experts, "has_gate", True)
              else experts.act_fn(project(x, "up_proj")))

@@ -531,29 +531,32 @@ at::Tensor swiglu_operand(const at::Tensor& t, int64_t inter, const char* op) {
   return t.is_contiguous() && aligned16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-at::Tensor swiglu_cuda(const at::Tensor& gate_up_in) {
+at::Tensor swiglu_cuda(const at::Tensor& gate_up_in, std::optional<double> limit) {
   const char* op = "cake::swiglu";
   const int64_t inter = check_swiglu(gate_up_in, op);
+  const float clamp_limit = check_swiglu_limit(limit, op);
   c10::cuda::CUDAGuard guard(gate_up_in.device());
   select_kernel_arch(gate_up_in.get_device(), op);
   const auto gate_up = swiglu_operand(gate_up_in, inter, op);
   auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
   sm90::moe_swiglu(gate_up.data_ptr(), gate_up.size(0), inter, /*offsets=*/nullptr, 0, /*limits=*/nullptr,
                    /*gate_up=*/true, out.data_ptr(), gate_up.scalar_type() == at::kBFloat16,
-                   at::cuda::getCurrentCUDAStream(gate_up.get_device()), /*pdl=*/false);
+                   at::cuda::getCurrentCUDAStream(gate_up.get_device()), /*pdl=*/false, clamp_limit);
   return out;
 }
 
-at::Tensor swiglu_backward_cuda(const at::Tensor& grad_in, const at::Tensor& gate_up_in) {
+at::Tensor swiglu_backward_cuda(const at::Tensor& grad_in, const at::Tensor& gate_up_in, std::optional<double> limit) {
   const char* op = "cake::swiglu_backward";
   const int64_t inter = check_swiglu(gate_up_in, op);
   check_swiglu_grad(grad_in, gate_up_in, inter, op);
+  const float clamp_limit = check_swiglu_limit(limit, op);
   c10::cuda::CUDAGuard guard(gate_up_in.device());
   select_kernel_arch(gate_up_in.get_device(), op);
   const auto gate_up = swiglu_operand(gate_up_in, inter, op), grad = swiglu_operand(grad_in, inter, op);
   auto d_gate_up = at::empty_like(gate_up);
   sm90::swiglu_backward(grad.data_ptr(), gate_up.data_ptr(), gate_up.size(0), inter, d_gate_up.data_ptr(),
-                        gate_up.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream(gate_up.get_device()));
+                        gate_up.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream(gate_up.get_device()),
+                        clamp_limit);
   return d_gate_up;
 }
 

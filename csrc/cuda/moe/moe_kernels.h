@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace cake::sm90 {
@@ -58,15 +59,18 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
 // out[p, j] = silu(gate) * up of h[p] ([rows, 2I], up/gate interleaved at 32 columns, or with
 // gate_up [gate | up] halves), in fp32, rounded once to the element type; rows p >= offsets[E] get
 // zeros. With `limits` (float32 [E]): SwiGLUStep, min(silu(gate), L) * clamp(up, -L, L), L the
-// limit of row p's expert.
+// limit of row p's expert. Without limits, a finite clamp_limit L gives the clamped SwiGLU
+// silu(min(gate, L)) * clamp(up, -L, L) (cake::swiglu's limit).
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
-                const float* limits, bool gate_up, void* out, bool is_bf16, cudaStream_t stream, bool pdl);
+                const float* limits, bool gate_up, void* out, bool is_bf16, cudaStream_t stream, bool pdl,
+                float clamp_limit = INFINITY);
 // (moe_swiglu with offsets == nullptr: every row is kept.)
 
 // d_gate_up [rows, 2I] = [grad * up * silu'(gate) | grad * silu(gate)] of gate_up [rows, 2I] ([gate | up]
 // halves) and grad [rows, I], in float32, rounded once to the element type; I % 8 == 0, 16-byte aligned.
+// A finite clamp_limit: the clamped SwiGLU's, each half's gradient zero where its clamp bit.
 void swiglu_backward(const void* grad, const void* gate_up, int64_t rows, int64_t inter, void* d_gate_up,
-                     bool is_bf16, cudaStream_t stream);
+                     bool is_bf16, cudaStream_t stream, float clamp_limit = INFINITY);
 
 // The float element types the routing and quantization kernels read.
 enum class FloatType { kFloat, kBFloat16, kHalf };

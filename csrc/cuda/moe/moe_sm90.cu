@@ -523,12 +523,17 @@ struct Vec8 {
 // block (32, kSwigluRows): threadIdx.x walks the 16-byte output vectors of a row, threadIdx.y rows.
 constexpr int kSwigluRows = 8;
 
+// min(x, hi) and max(x, lo) that keep a NaN, as torch.clamp does (fminf / fmaxf would drop it).
+__device__ __forceinline__ float clamp_high(float x, float hi) { return x > hi ? hi : x; }
+__device__ __forceinline__ float clamp_low(float x, float lo) { return x < lo ? lo : x; }
+
 // A 64-column chunk of h is 8 vectors: up in vectors 0-3, gate in 4-7 (32-row interleave); with gate_up,
 // h is [gate | up] halves of inter_vecs vectors each.
 template <class T>
 __global__ void __launch_bounds__(32 * kSwigluRows)
     moe_swiglu_kernel(const uint4* __restrict__ h, int64_t rows, int64_t inter_vecs, const int32_t* offsets,
-                      int num_experts, const float* limits, bool gate_up, uint4* __restrict__ out) {
+                      int num_experts, const float* limits, bool gate_up, float clamp_limit,
+                      uint4* __restrict__ out) {
   pdl_wait();
   pdl_launch_dependents();
   const int64_t kept = offsets == nullptr ? rows : std::min<int64_t>(offsets[num_experts], rows);
@@ -548,6 +553,13 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
     Vec8<T>::load(__ldg(up_vec), up);
     Vec8<T>::load(__ldg(gate_vec), gate);
     if (limits == nullptr) {
+      if (clamp_limit != INFINITY) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          gate[j] = clamp_high(gate[j], clamp_limit);
+          up[j] = clamp_high(clamp_low(up[j], -clamp_limit), clamp_limit);
+        }
+      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) r[j] = swiglu_value(up[j], gate[j], false, 0.0f);
     } else {
@@ -570,7 +582,8 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
 template <class T>
 __global__ void __launch_bounds__(32 * kSwigluRows)
     swiglu_backward_kernel(const uint4* __restrict__ grad, const uint4* __restrict__ gate_up, int64_t rows,
-                           int64_t inter_vecs, uint4* __restrict__ d_gate_up) {
+                           int64_t inter_vecs, float clamp_limit, uint4* __restrict__ d_gate_up) {
+  const bool clamp = clamp_limit != INFINITY;
   const int64_t v = int64_t(blockIdx.x) * 32 + threadIdx.x;
   if (v >= inter_vecs) return;
   for (int64_t row = int64_t(blockIdx.y) * kSwigluRows + threadIdx.y; row < rows;
@@ -582,10 +595,17 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
     Vec8<T>::load(__ldg(grad + row * inter_vecs + v), g);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+      float g_gate = g[j], g_up = g[j];
+      if (clamp) {  // clamp's gradient (torch's): through where the value is within its bounds, NaN blocked
+        g_gate = gate[j] <= clamp_limit ? g_gate : 0.0f;
+        g_up = up[j] >= -clamp_limit && up[j] <= clamp_limit ? g_up : 0.0f;
+        gate[j] = clamp_high(gate[j], clamp_limit);
+        up[j] = clamp_high(clamp_low(up[j], -clamp_limit), clamp_limit);
+      }
       const float sigmoid = 1.0f / (1.0f + __expf(-gate[j]));
       const float silu = gate[j] * sigmoid;
-      d_up[j] = g[j] * silu;
-      d_gate[j] = g[j] * up[j] * (sigmoid + silu * (1.0f - sigmoid));
+      d_up[j] = g_up * silu;
+      d_gate[j] = g_gate * up[j] * (sigmoid + silu * (1.0f - sigmoid));
     }
     uint4* dst = d_gate_up + row * 2 * inter_vecs;
     dst[v] = Vec8<T>::store(d_gate);
@@ -1149,7 +1169,8 @@ void moe_gather_quantize_rows(const void* x, int64_t tokens, int64_t hidden, con
 }
 
 void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offsets, int num_experts,
-                const float* limits, bool gate_up, void* out, bool is_bf16, cudaStream_t stream, bool pdl) {
+                const float* limits, bool gate_up, void* out, bool is_bf16, cudaStream_t stream, bool pdl,
+                float clamp_limit) {
   if (rows == 0 || inter == 0) return;
   TORCH_CHECK(inter % (gate_up ? 8 : 32) == 0, "cake MoE SwiGLU: I must be a multiple of 32 (8 for [gate | up] "
               "halves; internal error)");
@@ -1158,11 +1179,11 @@ void moe_swiglu(const void* h, int64_t rows, int64_t inter, const int32_t* offse
                   static_cast<unsigned>(std::min<int64_t>((rows + kSwigluRows - 1) / kSwigluRows, 65535)));
   auto kernel = is_bf16 ? moe_swiglu_kernel<__nv_bfloat16> : moe_swiglu_kernel<__half>;
   launch_kernel(kernel, grid, dim3(32, kSwigluRows), 0, stream, pdl, static_cast<const uint4*>(h), rows,
-                inter_vecs, offsets, num_experts, limits, gate_up, static_cast<uint4*>(out));
+                inter_vecs, offsets, num_experts, limits, gate_up, clamp_limit, static_cast<uint4*>(out));
 }
 
 void swiglu_backward(const void* grad, const void* gate_up, int64_t rows, int64_t inter, void* d_gate_up,
-                     bool is_bf16, cudaStream_t stream) {
+                     bool is_bf16, cudaStream_t stream, float clamp_limit) {
   if (rows == 0 || inter == 0) return;
   TORCH_CHECK(inter % 8 == 0, "cake SwiGLU backward: I must be a multiple of 8 (internal error)");
   const int64_t inter_vecs = inter / 8;
@@ -1170,7 +1191,7 @@ void swiglu_backward(const void* grad, const void* gate_up, int64_t rows, int64_
                   static_cast<unsigned>(std::min<int64_t>((rows + kSwigluRows - 1) / kSwigluRows, 65535)));
   auto kernel = is_bf16 ? swiglu_backward_kernel<__nv_bfloat16> : swiglu_backward_kernel<__half>;
   launch_kernel(kernel, grid, dim3(32, kSwigluRows), 0, stream, false, static_cast<const uint4*>(grad),
-                static_cast<const uint4*>(gate_up), rows, inter_vecs, static_cast<uint4*>(d_gate_up));
+                static_cast<const uint4*>(gate_up), rows, inter_vecs, clamp_limit, static_cast<uint4*>(d_gate_up));
 }
 
 void moe_topk_softmax(const void* logits, FloatType type, int64_t tokens, int num_experts, int top_k, int32_t* ids,

@@ -658,6 +658,62 @@ def test_transformers_experts_swiglu_gates_match_float64_eager(device, family):
     assert rel_err(out, want[0]) < 2e-2
 
 
+def other_gate_experts(family, device):
+    """Experts modules of transformers >= 5 that the SwiGLU node does not take: Nemotron-H's (no gate: relu^2 of
+    up_proj alone), Gemma-4's (the default gate on gelu), OpenAI privacy filter's (weights [E, in, out], biases,
+    its own clamped (up + 1) * gate * sigmoid(alpha * gate))."""
+    import transformers
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+    from transformers.models.openai_privacy_filter.modeling_openai_privacy_filter import OpenAIPrivacyFilterExperts
+    if family == "nemotron_h":
+        experts = NemotronHExperts(transformers.NemotronHConfig(hidden_size=128, moe_intermediate_size=64,
+                                                                n_routed_experts=8))
+    elif family == "gemma4":
+        experts = Gemma4TextExperts(transformers.Gemma4TextConfig(hidden_size=128, moe_intermediate_size=64,
+                                                                  num_experts=8))
+    else:
+        experts = OpenAIPrivacyFilterExperts(transformers.OpenAIPrivacyFilterConfig(
+            hidden_size=128, intermediate_size=64, num_local_experts=8))
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return experts.to(device, torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "gemma4", "openai_privacy_filter"])
+def test_transformers_experts_other_gates_match_eager(device, family):
+    """Experts the SwiGLU node does not take run grouped_mm and the module's own gate or activation: output and
+    every gradient (biases included) against the module's eager forward in bf16, and in float64 where no clamp
+    bites (see test_transformers_experts_swiglu_gates_match_float64_eager)."""
+    experts = other_gate_experts(family, device)
+    eager = {dtype: copy.deepcopy(experts).to(dtype) for dtype in (torch.float64, torch.bfloat16)}
+    for module in eager.values():
+        module.config._experts_implementation = "eager"
+    t, k = 29, 2
+    x = torch.randn(t, 128, device=device).bfloat16()
+    ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)]).to(device)
+    weights = torch.rand(t, k, device=device)
+    grad_out = torch.randn(t, 128, device=device)
+
+    def grads(module, fn, dtype):
+        module.zero_grad(set_to_none=True)
+        xg, wg = x.to(dtype, copy=True).requires_grad_(), weights.to(dtype, copy=True).requires_grad_()
+        out = fn(module, xg, ids, wg)
+        out.backward(grad_out.to(out.dtype))
+        return [out, xg.grad, wg.grad] + [p.grad for p in module.parameters()]
+
+    want64, want16 = (grads(eager[dtype], lambda m, *args: m(*args), dtype) for dtype in eager)
+    with RecordOps() as record:
+        got = grads(experts, cake_ops_nn.transformers_experts_forward, torch.bfloat16)
+    assert "cake.grouped_gemm_fwd.default" in record.ops and "cake.swiglu.default" not in record.ops
+    names = ["out", "hidden states", "routing weights"] + [n for n, _ in experts.named_parameters()]
+    assert len(got) == len(names) >= 5
+    for name, w64, w16, g in zip(names, want64, want16, got):
+        assert rel_err(g, w16) < 2e-2, name
+        if family != "openai_privacy_filter":  # its gate clamps at the config's limit
+            assert rel_err(g, w64) < 2e-2, name
+
+
 def test_transformers_experts_trains_a_subset(device):
     """Frozen parts get no gradient, and the trained ones the same as when everything trains (the SwiGLU experts'
     node runs only the backward GEMMs some input needs)."""

@@ -126,7 +126,7 @@ TORCH_LIBRARY(cake, m) {
   // it): gate_up [rows, 2I] -> [rows, I] = silu(gate) * up in float32, rounded once; swiglu_backward(grad_out
   // [rows, I], gate_up) -> [rows, 2I]: [grad * up * silu'(gate) | grad * silu(gate)], float32, rounded once.
   // limit (> 0): the clamped SwiGLU of DeepSeek-V4 / GLM-5 / HY-V4 experts, silu(min(gate, limit)) *
-  // clamp(up, -limit, limit), with clamp's gradient (through where gate <= limit, -limit <= up <= limit).
+  // clamp(up, -limit, limit), with torch 2.14's clamp gradient (through where gate < limit, -limit < up < limit).
   m.def("swiglu(Tensor gate_up, float? limit=None) -> Tensor");
   m.def("swiglu_backward(Tensor grad_out, Tensor gate_up, float? limit=None) -> Tensor");
   // moe_routing and moe_gemm1_swiglu into caller-owned outputs, with caller-owned uint8 workspaces

@@ -588,13 +588,14 @@ def test_transformers_experts_gradients_match_float64_eager(device, family):
 def swiglu_gate_experts(family, device):
     """Experts modules of transformers >= 5 whose gate cake::swiglu computes besides the default one: DeepSeek-V4's,
     GLM-5's and HY-V4's clamped SwiGLU (silu(min(gate, L)) * clamp(up, -L, L)), with a limit that bites on about a
-    fifth of the values here, and LFM2's (F.silu as its act_fn)."""
+    fifth of the values here (1.55: no bf16 value equals it, so no test value sits on a bound, where torch 2.11's clamp
+    passes the gradient and 2.14's does not), and LFM2's (F.silu as its act_fn)."""
     import transformers
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextExperts
     from transformers.models.hy_v4.modeling_hy_v4 import HYV4Experts
     from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeExperts
-    sizes = dict(hidden_size=128, num_local_experts=8, swiglu_limit=1.5)
+    sizes = dict(hidden_size=128, num_local_experts=8, swiglu_limit=1.55)
     if family == "deepseek_v4":
         experts = DeepseekV4Experts(transformers.DeepseekV4Config(intermediate_size=64, **sizes))
     elif family == "glm5_next":
@@ -613,12 +614,12 @@ def test_transformers_experts_swiglu_gates_match_float64_eager(device, family):
     """The clamped SwiGLU gates (and LFM2's F.silu one) run as cake::swiglu in the SwiGLU experts' one autograd node,
     training and in inference; output and every gradient against the module's eager forward in float64, and in
     bf16. Where the clamp bites, a value within a bf16 rounding of +-L takes the other side of the clamp's gradient
-    than in float64 (eager's own bf16 run is 3-7% off float64 in the gate_up and hidden-state gradients here, over
-    seeds): the float64 bound is 15% there and the tight one is bf16 eager's (measured <= 0.6%, bound 2%);
+    than in float64 (cake's gate_up and hidden-state gradients are up to 3% off float64 over 12 seeds, eager's own
+    bf16 run as much): the float64 bound is 6% there and the tight one is bf16 eager's (measured <= 0.8%, bound 2%);
     test_swiglu_matches_float64 checks the kernels' clamped arithmetic on identical inputs to one rounding."""
     experts = swiglu_gate_experts(family, device)
     clamped = family != "lfm2_moe"
-    assert (getattr(experts, "limit", None) or getattr(experts, "swiglu_limit", None)) == (1.5 if clamped else None)
+    assert (getattr(experts, "limit", None) or getattr(experts, "swiglu_limit", None)) == (1.55 if clamped else None)
     eager64 = copy.deepcopy(experts).double()
     eager64.config._experts_implementation = "eager"
     eager16 = copy.deepcopy(experts)
@@ -644,7 +645,7 @@ def test_transformers_experts_swiglu_gates_match_float64_eager(device, family):
     names = ["out", "hidden states", "routing weights", "gate_up_proj", "down_proj"]
     assert len(got) == len(names)
     for name, w, w16, g in zip(names, want, want16, got):
-        assert rel_err(g, w) < (1.5e-1 if clamped else 2e-2), name
+        assert rel_err(g, w) < (6e-2 if clamped else 2e-2), name
         assert rel_err(g, w16) < 2e-2, name
     torch._dynamo.reset()  # fullgraph with backward (aot_eager runs the same kernels): eager's bits
     compiled = torch.compile(cake_ops_nn.transformers_experts_forward, fullgraph=True, backend="aot_eager")

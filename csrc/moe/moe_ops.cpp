@@ -329,9 +329,9 @@ at::Tensor swiglu_backward(const at::Tensor& grad_out, const at::Tensor& gate_up
   const auto ct = swiglu_compute_type(gate_up);
   auto gate = gate_up.narrow(1, 0, inter).to(ct), up = gate_up.narrow(1, inter, inter).to(ct);
   auto grad_gate = grad_out.to(ct), grad_up = grad_gate;
-  if (limit.has_value()) {  // clamp's gradient: through where the value is within the bounds
-    grad_gate = grad_gate * (gate <= *limit);
-    grad_up = grad_up * ((up >= -*limit) & (up <= *limit));
+  if (limit.has_value()) {  // clamp's gradient as torch 2.14's: through where the value is strictly inside its bounds
+    grad_gate = grad_gate * (gate < *limit);
+    grad_up = grad_up * ((up > -*limit) & (up < *limit));
     gate = at::clamp_max(gate, *limit);
     up = at::clamp(up, -*limit, *limit);
   }

@@ -596,9 +596,9 @@ __global__ void __launch_bounds__(32 * kSwigluRows)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       float g_gate = g[j], g_up = g[j];
-      if (clamp) {  // clamp's gradient (torch's): through where the value is within its bounds, NaN blocked
-        g_gate = gate[j] <= clamp_limit ? g_gate : 0.0f;
-        g_up = up[j] >= -clamp_limit && up[j] <= clamp_limit ? g_up : 0.0f;
+      if (clamp) {  // clamp's gradient as torch 2.14's: through where the value is strictly inside its bounds
+        g_gate = gate[j] < clamp_limit ? g_gate : 0.0f;
+        g_up = up[j] > -clamp_limit && up[j] < clamp_limit ? g_up : 0.0f;
         gate[j] = clamp_high(gate[j], clamp_limit);
         up[j] = clamp_high(clamp_low(up[j], -clamp_limit), clamp_limit);
       }

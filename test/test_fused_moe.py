@@ -585,6 +585,32 @@ def test_transformers_experts_gradients_match_float64_eager(device, family):
         assert rel_err(g, w) < 2e-2, name
 
 
+class ExpertsGradients:
+    """One experts module on 29 random tokens (top-2 of 8 experts): ``run(fn, dtype)`` is fn(module, x, ids,
+    weights) on a copy of the module in dtype (the module itself in bf16) -> [output, the hidden states', routing
+    weights' and the module's parameters' gradients]; ``eager(dtype)`` the module's eager forward's."""
+
+    def __init__(self, experts, device):
+        self.experts, self.names = experts, ["out", "hidden states", "routing weights"] + [
+            n for n, _ in experts.named_parameters()]
+        self.x = torch.randn(29, 128, device=device).bfloat16()
+        self.ids = torch.stack([torch.randperm(8)[:2] for _ in range(29)]).to(device)
+        self.weights = torch.rand(29, 2, device=device)
+        self.grad_out = torch.randn(29, 128, device=device)
+
+    def run(self, fn, dtype=torch.bfloat16):
+        module = self.experts if dtype == torch.bfloat16 and fn is not None else copy.deepcopy(self.experts).to(dtype)
+        module.zero_grad(set_to_none=True)
+        x, w = self.x.to(dtype, copy=True).requires_grad_(), self.weights.to(dtype, copy=True).requires_grad_()
+        out = fn(module, x, self.ids, w) if fn is not None else module(x, self.ids, w)
+        out.backward(self.grad_out.to(out.dtype))
+        return [out, x.grad, w.grad] + [p.grad for p in module.parameters()]
+
+    def eager(self, dtype):
+        self.experts.config._experts_implementation = "eager"
+        return self.run(None, dtype)
+
+
 def swiglu_gate_experts(family, device):
     """Experts modules of transformers >= 5 whose gate cake::swiglu computes besides the default one: DeepSeek-V4's,
     GLM-5's and HY-V4's clamped SwiGLU (silu(min(gate, L)) * clamp(up, -L, L)), with a limit that bites on about a
@@ -620,39 +646,21 @@ def test_transformers_experts_swiglu_gates_match_float64_eager(device, family):
     experts = swiglu_gate_experts(family, device)
     clamped = family != "lfm2_moe"
     assert (getattr(experts, "limit", None) or getattr(experts, "swiglu_limit", None)) == (1.55 if clamped else None)
-    eager64 = copy.deepcopy(experts).double()
-    eager64.config._experts_implementation = "eager"
-    eager16 = copy.deepcopy(experts)
-    eager16.config._experts_implementation = "eager"
-    t, k = 29, 2
-    x = torch.randn(t, 128, device=device).bfloat16()
-    ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)]).to(device)
-    weights = torch.rand(t, k, device=device)
-    grad_out = torch.randn(t, 128, device=device)
-
-    def grads(module, fn, dtype):
-        module.zero_grad(set_to_none=True)
-        xg, wg = x.to(dtype, copy=True).requires_grad_(), weights.to(dtype, copy=True).requires_grad_()
-        out = fn(module, xg, ids, wg)
-        out.backward(grad_out.to(out.dtype))
-        return [out, xg.grad, wg.grad] + [p.grad for p in module.parameters()]
-
-    want = grads(eager64, lambda m, *args: m(*args), torch.float64)
-    want16 = grads(eager16, lambda m, *args: m(*args), torch.bfloat16)
+    case = ExpertsGradients(experts, device)
+    want, want16 = case.eager(torch.float64), case.eager(torch.bfloat16)
     with RecordOps() as record:
-        got = grads(experts, cake_ops_nn.transformers_experts_forward, torch.bfloat16)
+        got = case.run(cake_ops_nn.transformers_experts_forward)
     assert {"cake.swiglu.default", "cake.swiglu_backward.default"} <= set(record.ops)
-    names = ["out", "hidden states", "routing weights", "gate_up_proj", "down_proj"]
-    assert len(got) == len(names)
-    for name, w, w16, g in zip(names, want, want16, got):
+    assert case.names == ["out", "hidden states", "routing weights", "gate_up_proj", "down_proj"]
+    for name, w, w16, g in zip(case.names, want, want16, got):
         assert rel_err(g, w) < (6e-2 if clamped else 2e-2), name
         assert rel_err(g, w16) < 2e-2, name
     torch._dynamo.reset()  # fullgraph with backward (aot_eager runs the same kernels): eager's bits
     compiled = torch.compile(cake_ops_nn.transformers_experts_forward, fullgraph=True, backend="aot_eager")
-    for name, c, g in zip(names, grads(experts, compiled, torch.bfloat16), got):
+    for name, c, g in zip(case.names, case.run(compiled), got):
         assert torch.equal(c, g), name
     with torch.no_grad(), RecordOps() as record:
-        out = cake_ops_nn.transformers_experts_forward(experts, x, ids, weights)
+        out = cake_ops_nn.transformers_experts_forward(experts, case.x, case.ids, case.weights)
     # inference: the clamped gates through the same kernels, LFM2's as one fused_moe_bf16 call
     assert ("cake.moe_gemm1_swiglu.default" in record.ops) != clamped
     assert ("cake.swiglu.default" in record.ops) == clamped
@@ -686,30 +694,13 @@ def test_transformers_experts_other_gates_match_eager(device, family):
     """Experts the SwiGLU node does not take run grouped_mm and the module's own gate or activation: output and
     every gradient (biases included) against the module's eager forward in bf16, and in float64 where no clamp
     bites (see test_transformers_experts_swiglu_gates_match_float64_eager)."""
-    experts = other_gate_experts(family, device)
-    eager = {dtype: copy.deepcopy(experts).to(dtype) for dtype in (torch.float64, torch.bfloat16)}
-    for module in eager.values():
-        module.config._experts_implementation = "eager"
-    t, k = 29, 2
-    x = torch.randn(t, 128, device=device).bfloat16()
-    ids = torch.stack([torch.randperm(8)[:k] for _ in range(t)]).to(device)
-    weights = torch.rand(t, k, device=device)
-    grad_out = torch.randn(t, 128, device=device)
-
-    def grads(module, fn, dtype):
-        module.zero_grad(set_to_none=True)
-        xg, wg = x.to(dtype, copy=True).requires_grad_(), weights.to(dtype, copy=True).requires_grad_()
-        out = fn(module, xg, ids, wg)
-        out.backward(grad_out.to(out.dtype))
-        return [out, xg.grad, wg.grad] + [p.grad for p in module.parameters()]
-
-    want64, want16 = (grads(eager[dtype], lambda m, *args: m(*args), dtype) for dtype in eager)
+    case = ExpertsGradients(other_gate_experts(family, device), device)
+    want64, want16 = case.eager(torch.float64), case.eager(torch.bfloat16)
     with RecordOps() as record:
-        got = grads(experts, cake_ops_nn.transformers_experts_forward, torch.bfloat16)
+        got = case.run(cake_ops_nn.transformers_experts_forward)
     assert "cake.grouped_gemm_fwd.default" in record.ops and "cake.swiglu.default" not in record.ops
-    names = ["out", "hidden states", "routing weights"] + [n for n, _ in experts.named_parameters()]
-    assert len(got) == len(names) >= 5
-    for name, w64, w16, g in zip(names, want64, want16, got):
+    assert len(got) == len(case.names) >= 5
+    for name, w64, w16, g in zip(case.names, want64, want16, got):
         assert rel_err(g, w16) < 2e-2, name
         if family != "openai_privacy_filter":  # its gate clamps at the config's limit
             assert rel_err(g, w64) < 2e-2, name

@@ -5,15 +5,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class RecordOps(TorchDispatchMode):
-    """The ops dispatched inside the context (views left out), in order: ``with RecordOps() as r: ...; r.ops``."""
+    """The ops dispatched inside the context (views left out), in order: ``with RecordOps() as r: ...; r.ops``;
+    with ``args=True`` also ``r.calls``, [(op, positional args)]."""
 
-    def __init__(self):
+    def __init__(self, args=False):
         super().__init__()
-        self.ops = []
+        self.ops, self.calls, self.record_args = [], [], args
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
             self.ops.append(str(func))
+            if self.record_args:
+                self.calls.append((str(func), args))
         return func(*args, **(kwargs or {}))
 
 

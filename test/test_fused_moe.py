@@ -637,24 +637,31 @@ def swiglu_gate_experts(family, device):
 
 @pytest.mark.parametrize("family", ["deepseek_v4", "glm5_next", "hy_v4", "lfm2_moe"])
 def test_transformers_experts_swiglu_gates_match_float64_eager(device, family):
-    """The clamped SwiGLU gates (and LFM2's F.silu one) run as cake::swiglu in the SwiGLU experts' one autograd node,
-    training and in inference; output and every gradient against the module's eager forward in float64, and in
-    bf16. Where the clamp bites, a value within a bf16 rounding of +-L takes the other side of the clamp's gradient
-    than in float64 (cake's gate_up and hidden-state gradients are up to 3% off float64 over 12 seeds, eager's own
-    bf16 run as much): the float64 bound is 6% there and the tight one is bf16 eager's (measured <= 0.8%, bound 2%);
+    """The clamped SwiGLU gates (and LFM2's F.silu one) run as cake::swiglu, with the module's limit, in the SwiGLU
+    experts' one autograd node, training and in inference; output and every gradient against the module's eager
+    forward in float64, and in bf16. Where the clamp bites, a value within a bf16 rounding of +-L takes the other
+    side of the clamp's gradient than in float64: cake's gate_up and hidden-state gradients are up to 3% off
+    float64 over 24 cases (torch 2.11 and 2.14 alike): 6% there, 2% elsewhere. Eager's own bf16 gradients are as
+    far off in torch 2.11, up to 9% in 2.14: they bound the clamped families' output only.
     test_swiglu_matches_float64 checks the kernels' clamped arithmetic on identical inputs to one rounding."""
     experts = swiglu_gate_experts(family, device)
     clamped = family != "lfm2_moe"
     assert (getattr(experts, "limit", None) or getattr(experts, "swiglu_limit", None)) == (1.55 if clamped else None)
     case = ExpertsGradients(experts, device)
     want, want16 = case.eager(torch.float64), case.eager(torch.bfloat16)
-    with RecordOps() as record:
+    with RecordOps(args=True) as record:
         got = case.run(cake_ops_nn.transformers_experts_forward)
-    assert {"cake.swiglu.default", "cake.swiglu_backward.default"} <= set(record.ops)
+    def limit(op, args):  # swiglu(gate_up, limit), swiglu_backward(grad, gate_up, limit); a None may be left out
+        i = 2 if "backward" in op else 1
+        return args[i] if len(args) > i else None
+
+    limits = [(op, limit(op, args)) for op, args in record.calls if op.startswith("cake.swiglu")]
+    assert limits == [(op, 1.55 if clamped else None) for op in ("cake.swiglu.default", "cake.swiglu_backward.default")]
     assert case.names == ["out", "hidden states", "routing weights", "gate_up_proj", "down_proj"]
     for name, w, w16, g in zip(case.names, want, want16, got):
         assert rel_err(g, w) < (6e-2 if clamped else 2e-2), name
-        assert rel_err(g, w16) < 2e-2, name
+        if name == "out" or not clamped:
+            assert rel_err(g, w16) < 2e-2, name
     torch._dynamo.reset()  # fullgraph with backward (aot_eager runs the same kernels): eager's bits
     compiled = torch.compile(cake_ops_nn.transformers_experts_forward, fullgraph=True, backend="aot_eager")
     for name, c, g in zip(case.names, case.run(compiled), got):
